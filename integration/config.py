@@ -1,0 +1,344 @@
+"""Spotline's settings, kept in the ``"spotline"`` section of a DeepSpeed config JSON.
+
+One JSON file configures both DeepSpeed (its usual top-level keys) and Spotline (the
+``"spotline"`` object, with one sub-section per concern). Parsing is strict: an unknown key
+or a value of the wrong type is a :class:`~spotline.errors.UserError` that names the key
+path and the expected form, because a typo that silently falls back to a default is the
+most expensive kind of bug on a cluster.
+
+This module is pure (no torch, no DeepSpeed): the launcher validates a config before any
+worker process starts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+from spotline.errors import UserError
+
+RedundancyMode = Literal["off", "lazy", "eager"]
+ReplicaDevice = Literal["accelerator", "host"]
+RecoveryMode = Literal["failover", "checkpoint-restart"]
+StoreBackend = Literal["tcp", "etcd"]
+WandbMode = Literal["offline", "online", "disabled"]
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Which transformers model to train: a preset name or a ``save_pretrained`` directory."""
+
+    name: str = "gpt2-tiny"
+    # Attribute overrides applied to the transformers config, e.g. {"resid_pdrop": 0.0}.
+    overrides: dict[str, Any] = field(default_factory=dict)
+    seq_len: int = 32
+    # 0 disables activation checkpointing; k checkpoints every k layers of a stage.
+    activation_checkpoint_interval: int = 0
+
+
+@dataclass(frozen=True)
+class DataSection:
+    """The text corpus and tokenizer; ``None`` means the shipped corpus / byte tokenizer."""
+
+    path: str | None = None
+    tokenizer: str | None = None
+
+
+@dataclass(frozen=True)
+class TopologySection:
+    """The logical topology's shape and how many local worker processes run it."""
+
+    stages: int = 2
+    workers: int = 4
+
+
+@dataclass(frozen=True)
+class TrainingSection:
+    steps: int = 20
+    seed: int = 1234
+
+
+@dataclass(frozen=True)
+class RedundancySection:
+    """Bamboo-style redundancy: each stage holds its successor's replica."""
+
+    mode: RedundancyMode = "off"
+    replica_device: ReplicaDevice = "host"
+
+
+@dataclass(frozen=True)
+class ElasticitySection:
+    """EasyScale-style logical data-parallel workers (``None``: one per pipeline)."""
+
+    logical_workers: int | None = None
+    # For tests and demos: this worker index sleeps this factor longer per micro-batch.
+    slow_worker: int | None = None
+    slow_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """Periodic checkpoints, the fallback for fatal losses (0 steps: never)."""
+
+    dir: str | None = None
+    interval_steps: int = 0
+    keep: int = 3
+
+
+@dataclass(frozen=True)
+class RecoverySection:
+    mode: RecoveryMode = "failover"
+    store: StoreBackend = "tcp"
+    heartbeat_timeout_s: float = 5.0
+    term_grace_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class TrackingSection:
+    """wandb runs offline unless the user configured otherwise."""
+
+    wandb: WandbMode = "offline"
+    project: str = "spotline"
+    run_name: str | None = None
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class DeterminismSection:
+    """Deterministic kernels, fixed intra-op threads, seeds owned by the logical worker."""
+
+    enabled: bool = False
+    intra_op_threads: int = 1
+
+
+@dataclass(frozen=True)
+class SpotlineConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    topology: TopologySection = field(default_factory=TopologySection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    redundancy: RedundancySection = field(default_factory=RedundancySection)
+    elasticity: ElasticitySection = field(default_factory=ElasticitySection)
+    checkpoints: CheckpointSection = field(default_factory=CheckpointSection)
+    recovery: RecoverySection = field(default_factory=RecoverySection)
+    tracking: TrackingSection = field(default_factory=TrackingSection)
+    determinism: DeterminismSection = field(default_factory=DeterminismSection)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole config file: DeepSpeed's own keys and Spotline's parsed section."""
+
+    deepspeed: dict[str, Any]
+    spotline: SpotlineConfig
+    source: str
+
+    @property
+    def micro_batch_size(self) -> int:
+        return int(self.deepspeed["train_micro_batch_size_per_gpu"])
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per pipeline per step (DeepSpeed's gradient accumulation steps)."""
+        return int(self.deepspeed["gradient_accumulation_steps"])
+
+    @property
+    def num_stages(self) -> int:
+        return self.spotline.topology.stages
+
+    @property
+    def num_workers(self) -> int:
+        return self.spotline.topology.workers
+
+    @property
+    def num_pipelines(self) -> int:
+        return self.num_workers // self.num_stages
+
+    def to_json(self) -> dict[str, Any]:
+        out = copy.deepcopy(self.deepspeed)
+        out["spotline"] = dataclasses.asdict(self.spotline)
+        return out
+
+
+# The DeepSpeed keys Spotline needs; everything else in the file is DeepSpeed's to judge.
+DEFAULT_DEEPSPEED: dict[str, Any] = {
+    "train_micro_batch_size_per_gpu": 8,
+    "gradient_accumulation_steps": 4,
+    "optimizer": {
+        "type": "AdamW",
+        # torch_adam: DeepSpeed's fused CPU Adam would JIT-compile for minutes.
+        "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "torch_adam": True},
+    },
+    "steps_per_print": 1000000,
+    "wall_clock_breakdown": False,
+}
+
+_T = TypeVar("_T")
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " or ".join(json.dumps(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if origin is dict:
+        return "an object"
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, str(tp)
+    )
+
+
+def _check_value(path: str, value: Any, tp: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arm in typing.get_args(tp):
+            try:
+                return _check_value(path, value, arm)
+            except UserError:
+                continue
+        raise UserError(f"config key '{path}' is {json.dumps(value)}; expected {_type_name(tp)}")
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        # bool is an int subclass in Python; `true` for a count is a mistake, not 1.
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        if isinstance(value, dict):
+            return _parse_section(path, value, tp)
+    else:  # pragma: no cover - a field type this parser does not know is a programming error
+        raise AssertionError(f"unsupported config field type {tp!r} at {path}")
+    raise UserError(f"config key '{path}' is {json.dumps(value)}; expected {_type_name(tp)}")
+
+
+def _parse_section(path: str, raw: Mapping[str, Any], cls: type[_T]) -> _T:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in hints:
+            raise UserError(
+                f"config key '{path}.{key}' is unknown; expected one of: {', '.join(names)}"
+            )
+        kwargs[key] = _check_value(f"{path}.{key}", value, hints[key])
+    return cls(**kwargs)
+
+
+def _positive(path: str, value: int | None) -> None:
+    if value is not None and value < 1:
+        raise UserError(f"config key '{path}' is {value}; expected a positive integer")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Cross-field checks that need the whole config; raise UserError on the first problem."""
+    sl = cfg.spotline
+    ds = cfg.deepspeed
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        value = ds.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise UserError(f"config key '{key}' is {json.dumps(value)}; expected a positive integer")
+    _positive("spotline.topology.stages", sl.topology.stages)
+    _positive("spotline.topology.workers", sl.topology.workers)
+    _positive("spotline.training.steps", sl.training.steps)
+    _positive("spotline.model.seq_len", sl.model.seq_len)
+    _positive("spotline.elasticity.logical_workers", sl.elasticity.logical_workers)
+    _positive("spotline.determinism.intra_op_threads", sl.determinism.intra_op_threads)
+    _positive("spotline.checkpoints.keep", sl.checkpoints.keep)
+    if sl.checkpoints.interval_steps < 0:
+        raise UserError(
+            "config key 'spotline.checkpoints.interval_steps' is negative; use 0 (never) or a step count"
+        )
+    if sl.topology.workers % sl.topology.stages != 0:
+        raise UserError(
+            f"--workers {sl.topology.workers} is not divisible by --stages {sl.topology.stages}; "
+            f"use a multiple of {sl.topology.stages} workers (each pipeline needs one per stage)"
+        )
+    if "train_batch_size" in ds:
+        expected = cfg.micro_batch_size * cfg.num_micro_batches * cfg.num_pipelines
+        if ds["train_batch_size"] != expected:
+            raise UserError(
+                f"config key 'train_batch_size' is {ds['train_batch_size']} but micro-batch "
+                f"{cfg.micro_batch_size} x gradient_accumulation_steps {cfg.num_micro_batches} x "
+                f"{cfg.num_pipelines} pipelines is {expected}; remove train_batch_size or make it {expected}"
+            )
+    if "elasticity" in ds:
+        raise UserError(
+            "config key 'elasticity' is DeepSpeed's removed elastic feature; "
+            "move elastic settings to 'spotline.elasticity'"
+        )
+
+
+def parse_config(raw: Mapping[str, Any], source: str = "<built-in default>") -> RunConfig:
+    """Parse a DeepSpeed config dict with an optional ``"spotline"`` section."""
+    if not isinstance(raw, Mapping):
+        raise UserError(f"config {source}: the top level must be a JSON object")
+    deepspeed_keys = copy.deepcopy({k: v for k, v in raw.items() if k != "spotline"})
+    merged = copy.deepcopy(DEFAULT_DEEPSPEED)
+    merged.update(deepspeed_keys)
+    section = raw.get("spotline", {})
+    if not isinstance(section, Mapping):
+        raise UserError(f"config key 'spotline' is {json.dumps(section)}; expected an object")
+    spotline = _parse_section("spotline", section, SpotlineConfig)
+    cfg = RunConfig(deepspeed=merged, spotline=spotline, source=source)
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None) -> RunConfig:
+    """Read and validate a config file; ``None`` gives the built-in default."""
+    if path is None:
+        return parse_config({})
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"config file '{p}' does not exist; pass an existing JSON file to --config")
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(
+            f"config file '{p}' is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})"
+        ) from None
+    return parse_config(raw, source=str(p))
+
+
+def with_overrides(cfg: RunConfig, overrides: Mapping[str, Any]) -> RunConfig:
+    """Apply ``{"section.key": value}`` overrides (from CLI flags) and re-validate.
+
+    Flags override the file: the override goes through the same parser, so a flag value
+    is checked exactly like a value written in the config.
+    """
+    raw = cfg.to_json()
+    for dotted, value in overrides.items():
+        if value is None:
+            continue
+        node = raw
+        *parents, leaf = dotted.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return parse_config(raw, source=cfg.source)

@@ -1,0 +1,163 @@
+"""Spotline's subclass of DeepSpeed's ``PipelineEngine`` and how to construct it.
+
+``deepspeed.initialize()`` hard-codes the pipeline engine class, so :func:`build_engine`
+repeats what ``initialize`` does for a ``PipelineModule`` (a ``DeepSpeedConfig`` built with
+the module's grid, the optimizer flags, the same constructor arguments) with a class of our
+choosing. Everything else is DeepSpeed's own engine.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from deepspeed import set_optimizer_flags
+from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.pipe.engine import PipelineEngine
+from deepspeed.runtime.pipe.module import PipelineModule
+
+from spotline.runtime import derive_seed
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RngContext:
+    """Who owns the randomness of the forward pass being run: (seed, step, worker, micro-batch).
+
+    Dropout masks are drawn from a generator seeded by this context and the global layer
+    index, so they do not depend on which process runs the layer, how many forwards that
+    process ran before, or how the layers are partitioned into stages.
+    """
+
+    seed: int
+    step: int
+    logical_worker: int
+    micro_batch: int
+
+
+class SpotlinePipelineEngine(PipelineEngine):
+    """DeepSpeed's pipeline engine with placement-independent randomness.
+
+    The subclass adds two things and changes no math: a per-layer RNG reseed from
+    :class:`RngContext` before every layer's forward (also during activation-checkpoint
+    recomputation, which re-runs forwards inside the backward pass), and the bookkeeping of
+    which micro-batch a ForwardPass/BackwardPass instruction belongs to.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rng_seed = 0
+        self.rng_step = 0
+        self.rng_logical_worker = self.grid.data_parallel_id
+        self._num_forwards = 0
+        self._num_backwards = 0
+        self._rng_micro_batch = 0
+        self._install_rng_hooks()
+
+    # -- randomness -------------------------------------------------------------------
+    def _install_rng_hooks(self) -> None:
+        module: PipelineModule = self.module
+        for local_idx, layer in enumerate(module.forward_funcs):
+            if isinstance(layer, torch.nn.Module):
+                layer_idx = module._local_start + local_idx
+                layer.register_forward_pre_hook(self._make_reseed_hook(layer_idx))
+
+    def _make_reseed_hook(self, layer_idx: int) -> Callable[..., None]:
+        def reseed(_module: torch.nn.Module, _inputs: Any) -> None:
+            torch.manual_seed(
+                derive_seed(
+                    self.rng_seed,
+                    self.rng_step,
+                    self.rng_logical_worker,
+                    self._rng_micro_batch,
+                    layer_idx,
+                )
+            )
+
+        return reseed
+
+    def begin_step(self, *, seed: int, step: int, logical_worker: int) -> None:
+        """Set the owner of this step's randomness; call before ``train_batch``."""
+        self.rng_seed = seed
+        self.rng_step = step
+        self.rng_logical_worker = logical_worker
+        self._num_forwards = 0
+        self._num_backwards = 0
+
+    def _exec_forward_pass(self, buffer_id: int) -> None:
+        # 1F1B runs each stage's forwards, and its backwards, in micro-batch order.
+        self._rng_micro_batch = self._num_forwards
+        self._num_forwards += 1
+        super()._exec_forward_pass(buffer_id)
+
+    def _exec_backward_pass(self, buffer_id: int) -> None:
+        # Activation checkpointing recomputes forwards here: same context as the forward.
+        self._rng_micro_batch = self._num_backwards
+        self._num_backwards += 1
+        super()._exec_backward_pass(buffer_id)
+
+
+def rebind_instruction_map(cls: type[PipelineEngine]) -> None:
+    """Point every instruction at ``cls``'s handler.
+
+    Trap: ``PipelineEngine._INSTRUCTION_MAP`` stores the base class's functions, so an
+    overriding handler is never dispatched unless the subclass gets its own map
+    (DEEPSPEED-NOTES.md). Rebuilding it by name keeps every subclass honest.
+    """
+    cls._INSTRUCTION_MAP = {
+        instruction: getattr(cls, handler.__name__)
+        for instruction, handler in PipelineEngine._INSTRUCTION_MAP.items()
+    }
+
+
+rebind_instruction_map(SpotlinePipelineEngine)
+
+
+def deepspeed_config_for(run_ds: dict[str, Any], *, num_pipelines: int) -> dict[str, Any]:
+    """The DeepSpeed config dict for an engine: Spotline's keys removed, batch size derived."""
+    ds = copy.deepcopy(run_ds)
+    ds.pop("spotline", None)
+    ds["train_batch_size"] = (
+        ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * num_pipelines
+    )
+    return ds
+
+
+def build_engine(
+    module: PipelineModule,
+    ds_config: dict[str, Any],
+    engine_cls: type[PipelineEngine] = SpotlinePipelineEngine,
+) -> PipelineEngine:
+    """Construct ``engine_cls`` exactly as ``deepspeed.initialize`` constructs its pipeline engine."""
+    mpu = module.mpu()
+    config_class = DeepSpeedConfig(ds_config, mpu)
+    set_optimizer_flags(config_class, module)
+    engine = engine_cls(
+        args=None,
+        model=module,
+        optimizer=None,
+        model_parameters=[p for p in module.parameters() if p.requires_grad],
+        training_data=None,
+        lr_scheduler=None,
+        mpu=mpu,
+        dist_init_required=False,
+        collate_fn=None,
+        config=ds_config,
+        config_class=config_class,
+    )
+    return engine
+
+
+def step_batches(
+    get_batch: Callable[[int, int, int], Batch], *, step: int, logical_worker: int, num_micro_batches: int
+) -> Iterator[Batch]:
+    """The micro-batches one pipeline consumes in one step, in micro-batch order.
+
+    The first and the last stage each pull all of them (inputs and labels respectively).
+    """
+    for micro_batch in range(num_micro_batches):
+        yield get_batch(step, logical_worker, micro_batch)

@@ -1,0 +1,655 @@
+"""Hugging Face causal LMs as DeepSpeed pipeline layers.
+
+Turns a transformers GPT-style causal LM (GPT-2, Llama, GPT-NeoX) into the flat list of
+``LayerSpec`` / ``TiedLayerSpec`` that ``deepspeed.pipe.PipelineModule`` partitions over
+stages, and maps state between the pipeline's names and the Hugging Face model's names.
+
+Layer layout (global layer indices, the same whatever the partition)::
+
+    0          token embedding          TiedLayerSpec "embed" when the config ties word
+                                        embeddings, else LayerSpec
+    1          position embedding +     only for architectures that have either
+               embedding dropout        (GPT-2: wpe + drop; GPT-NeoX: emb_dropout)
+    k .. k+B-1 TransformerBlockPipe     one per transformer block, wrapping the real
+                                        transformers block class (GPT2Block, ...)
+    k+B        final norm
+    k+B+1      LM head                  the tied "embed" module with ``_tied_lm_head`` as
+                                        forward_fn (F.linear with the embedding weight),
+                                        or an untied Linear
+
+Only one tensor, the hidden states, crosses a stage boundary: rotary embeddings are
+recomputed inside each block wrapper and the causal mask comes from SDPA's ``is_causal``.
+
+State-dict names on the pipeline side are what ``PipelineModule.state_dict()`` yields,
+merged over stages: ``"<global_layer_idx>.<param path>"`` for ordinary layers, and for the
+tied embedding DeepSpeed's own name ``"tied_modules.embed.embedding.weight"`` (no layer
+index). Every stage that holds a copy of the tied module (the first and the last) reports
+it under that same name, and DeepSpeed keeps the copies equal, so merging the per-stage
+state dicts is unambiguous. :func:`tied_layer_indices` says which layers share it.
+
+Initial weights never depend on the partition: the full HF model is built once (seeded,
+or loaded from a directory) and every layer deep-copies its part from it, so a pipeline
+with any number of stages starts from exactly :func:`reference_model`'s weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+import transformers
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from torch import Tensor, nn
+
+from spotline.errors import UserError
+
+# Byte-level vocabulary: 256 byte values plus a few specials (256 = bos/eos).
+_BYTE_VOCAB_SIZE = 260
+_BOS_EOS_ID = 256
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2-tiny": {
+        "model_type": "gpt2",
+        "n_layer": 4,
+        "n_embd": 64,
+        "n_head": 4,
+        "n_positions": 128,
+        "vocab_size": _BYTE_VOCAB_SIZE,
+        "bos_token_id": _BOS_EOS_ID,
+        "eos_token_id": _BOS_EOS_ID,
+        "tie_word_embeddings": True,
+        "resid_pdrop": 0.1,
+        "embd_pdrop": 0.1,
+        "attn_pdrop": 0.1,
+    },
+    "gpt2-small-test": {
+        "model_type": "gpt2",
+        "n_layer": 8,
+        "n_embd": 128,
+        "n_head": 4,
+        "n_positions": 256,
+        "vocab_size": _BYTE_VOCAB_SIZE,
+        "bos_token_id": _BOS_EOS_ID,
+        "eos_token_id": _BOS_EOS_ID,
+        "tie_word_embeddings": True,
+        "resid_pdrop": 0.1,
+        "embd_pdrop": 0.1,
+        "attn_pdrop": 0.1,
+    },
+    "llama-tiny": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": _BYTE_VOCAB_SIZE,
+        "max_position_embeddings": 128,
+        "bos_token_id": _BOS_EOS_ID,
+        "eos_token_id": _BOS_EOS_ID,
+        "tie_word_embeddings": True,
+    },
+    "neox-tiny": {
+        "model_type": "gpt_neox",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "intermediate_size": 256,
+        "vocab_size": _BYTE_VOCAB_SIZE,
+        "max_position_embeddings": 128,
+        "bos_token_id": _BOS_EOS_ID,
+        "eos_token_id": _BOS_EOS_ID,
+        "tie_word_embeddings": False,
+    },
+}
+
+# DeepSpeed's key for the tied embedding module; its state-dict prefix is "tied_modules.embed.".
+TIED_KEY = "embed"
+_TIED_PREFIX = f"tied_modules.{TIED_KEY}."
+# Class name the "type:" partition method counts: only transformer blocks weigh anything.
+_BLOCK_CLASS_NAME = "TransformerBlockPipe"
+
+
+@dataclass(frozen=True)
+class _Arch:
+    """Where an architecture keeps its parts, as HF submodule paths (None: has no such part)."""
+
+    tok_embed: str
+    pos_embed: str | None
+    embed_dropout: str | None
+    blocks: str
+    rotary: str | None
+    final_norm: str
+    lm_head: str
+
+
+_ARCHS: dict[str, _Arch] = {
+    "gpt2": _Arch(
+        tok_embed="transformer.wte",
+        pos_embed="transformer.wpe",
+        embed_dropout="transformer.drop",
+        blocks="transformer.h",
+        rotary=None,
+        final_norm="transformer.ln_f",
+        lm_head="lm_head",
+    ),
+    "llama": _Arch(
+        tok_embed="model.embed_tokens",
+        pos_embed=None,
+        embed_dropout=None,
+        blocks="model.layers",
+        rotary="model.rotary_emb",
+        final_norm="model.norm",
+        lm_head="lm_head",
+    ),
+    "gpt_neox": _Arch(
+        tok_embed="gpt_neox.embed_in",
+        pos_embed=None,
+        embed_dropout="gpt_neox.emb_dropout",
+        blocks="gpt_neox.layers",
+        rotary="gpt_neox.rotary_emb",
+        final_norm="gpt_neox.final_layer_norm",
+        lm_head="lm_head",
+    ),
+}
+
+
+def _arch(hf_config: transformers.PretrainedConfig) -> _Arch:
+    model_type = hf_config.model_type
+    if model_type not in _ARCHS:
+        raise UserError(
+            f"model type {model_type!r} is not supported; use a {', '.join(sorted(_ARCHS))} model"
+        )
+    return _ARCHS[model_type]
+
+
+def _is_tied(hf_config: transformers.PretrainedConfig) -> bool:
+    return bool(getattr(hf_config, "tie_word_embeddings", False))
+
+
+# ---------------------------------------------------------------------------------------
+# Configs
+
+
+def load_hf_config(
+    spec: str, overrides: Mapping[str, Any] | None = None
+) -> transformers.PretrainedConfig:
+    """Return the HF config for a preset name or a directory written by ``save_pretrained``.
+
+    Always selects the SDPA attention implementation: a transformers 5.x block built
+    directly from a config otherwise runs without a causal mask. ``overrides`` sets existing
+    config attributes (e.g. dropout probabilities to 0.0); an unknown one is a UserError.
+    """
+    presets = ", ".join(PRESETS)
+    if spec in PRESETS:
+        fields = dict(PRESETS[spec])
+        model_type = fields.pop("model_type")
+        config = transformers.AutoConfig.for_model(model_type, **fields)
+    elif os.path.isdir(spec):
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            raise UserError(
+                f"model directory {spec!r} has no config.json; "
+                "pass a directory written by save_pretrained or one of the presets " + presets
+            )
+        try:
+            config = transformers.AutoConfig.from_pretrained(spec, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise UserError(
+                f"model directory {spec!r}: config.json could not be read ({first_line}); "
+                "rewrite it with save_pretrained"
+            ) from exc
+    else:
+        raise UserError(
+            f"model {spec!r}: no such preset or directory; use one of {presets} "
+            "or a directory written by save_pretrained"
+        )
+    _arch(config)  # an unsupported architecture fails here, before anything is built
+    for name, value in (overrides or {}).items():
+        if name.startswith("_") or not hasattr(config, name):
+            raise UserError(
+                f"model override {name!r}: {type(config).__name__} has no such attribute; "
+                "check the spelling against the model's config.json"
+            )
+        setattr(config, name, value)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def num_blocks(hf_config: transformers.PretrainedConfig) -> int:
+    """Number of transformer blocks (pipeline layers that carry the compute)."""
+    return int(hf_config.num_hidden_layers)
+
+
+# ---------------------------------------------------------------------------------------
+# The full HF model the layers copy their weights from
+
+
+def _build_hf_model(
+    hf_config: transformers.PretrainedConfig, seed: int, pretrained_dir: str | None
+) -> transformers.PreTrainedModel:
+    """Build the full HF model: seeded random init, or the weights in ``pretrained_dir``.
+
+    Runs under a forked RNG so that building leaves the caller's global RNG state (which
+    drives dropout) untouched, whatever the number of layers built.
+    """
+    config = copy.deepcopy(hf_config)
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        if pretrained_dir is None:
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        else:
+            if not os.path.isdir(pretrained_dir):
+                raise UserError(
+                    f"pretrained weights {pretrained_dir!r}: no such directory; "
+                    "pass a directory written by save_pretrained"
+                )
+            try:
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    pretrained_dir,
+                    config=config,
+                    local_files_only=True,
+                    attn_implementation="sdpa",
+                    dtype=torch.float32,
+                )
+            except OSError as exc:
+                raise UserError(
+                    f"pretrained weights {pretrained_dir!r}: no model weights found; "
+                    "pass a directory written by save_pretrained (with model.safetensors)"
+                ) from exc
+    model.float()
+    model.train()
+    return model
+
+
+class WeightSource:
+    """The full HF model, built on first use and shared by every layer spec of one pipeline.
+
+    Layers copy their weights from it, so the weights do not depend on which layers a stage
+    builds. ``release()`` drops the model once the pipeline is built (PipelineModule keeps
+    its specs, and with them this object).
+    """
+
+    def __init__(
+        self, hf_config: transformers.PretrainedConfig, seed: int, pretrained_dir: str | None
+    ) -> None:
+        self.hf_config = hf_config
+        self.seed = seed
+        self.pretrained_dir = pretrained_dir
+        self._model: transformers.PreTrainedModel | None = None
+
+    def __repr__(self) -> str:  # LayerSpec reprs print their arguments
+        return f"WeightSource({self.hf_config.model_type}, seed={self.seed}, pretrained_dir={self.pretrained_dir!r})"
+
+    @property
+    def model(self) -> transformers.PreTrainedModel:
+        if self._model is None:
+            self._model = _build_hf_model(self.hf_config, self.seed, self.pretrained_dir)
+        return self._model
+
+    def copy_of(self, path: str) -> nn.Module:
+        """A deep copy of the HF submodule at ``path`` (own parameters, same values)."""
+        return copy.deepcopy(self.model.get_submodule(path))
+
+    def release(self) -> None:
+        self._model = None
+
+
+# ---------------------------------------------------------------------------------------
+# Pipeline layers
+
+
+class TokenEmbeddingPipe(nn.Module):
+    """Token ids -> embeddings. As the tied module it also serves as the LM head."""
+
+    def __init__(self, source: WeightSource) -> None:
+        super().__init__()
+        self.embedding = source.copy_of(_arch(source.hf_config).tok_embed)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return self.embedding(input_ids)
+
+
+def _tied_lm_head(module: TokenEmbeddingPipe, hidden_states: Tensor) -> Tensor:
+    """LM head of a tied model: the same op as HF's bias-free ``nn.Linear`` lm_head."""
+    return F.linear(hidden_states, module.embedding.weight)
+
+
+class EmbeddingPostPipe(nn.Module):
+    """Adds learned position embeddings (if any) and applies the embedding dropout (if any)."""
+
+    def __init__(self, source: WeightSource) -> None:
+        super().__init__()
+        arch = _arch(source.hf_config)
+        self.wpe = source.copy_of(arch.pos_embed) if arch.pos_embed else None
+        self.drop = source.copy_of(arch.embed_dropout) if arch.embed_dropout else None
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        if self.wpe is not None:
+            position_ids = torch.arange(
+                hidden_states.shape[1], device=hidden_states.device
+            ).unsqueeze(0)
+            # Same operand order as GPT2Model: inputs_embeds + position_embeds.
+            hidden_states = hidden_states + self.wpe(position_ids)
+        if self.drop is not None:
+            hidden_states = self.drop(hidden_states)
+        return hidden_states
+
+
+class TransformerBlockPipe(nn.Module):
+    """One real transformers block (GPT2Block, LlamaDecoderLayer, GPTNeoXLayer).
+
+    Takes and returns only the hidden states. The causal mask is SDPA's ``is_causal``
+    (attention_mask None, exactly what the HF model passes with no padding mask); rotary
+    position embeddings are computed here from a copy of the model's rotary module, as the
+    HF model computes them once per forward, so nothing else crosses a stage boundary.
+    """
+
+    def __init__(self, source: WeightSource, block_idx: int) -> None:
+        super().__init__()
+        arch = _arch(source.hf_config)
+        self.block = source.copy_of(f"{arch.blocks}.{block_idx}")
+        # Non-persistent buffers only: adds nothing to the state dict.
+        self.rotary = source.copy_of(arch.rotary) if arch.rotary else None
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
+        kwargs: dict[str, Any] = {"position_ids": position_ids}
+        if self.rotary is not None:
+            kwargs["position_embeddings"] = self.rotary(hidden_states, position_ids=position_ids)
+        out = self.block(hidden_states, attention_mask=None, **kwargs)
+        # transformers 5.x blocks return the hidden states, 4.x a tuple starting with them.
+        if isinstance(out, tuple):
+            out = out[0]
+        return out
+
+
+class FinalNormPipe(nn.Module):
+    """The final layer norm (GPT-2 ln_f, Llama RMSNorm, NeoX final_layer_norm)."""
+
+    def __init__(self, source: WeightSource) -> None:
+        super().__init__()
+        self.norm = source.copy_of(_arch(source.hf_config).final_norm)
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return self.norm(hidden_states)
+
+
+class LMHeadPipe(nn.Module):
+    """Untied LM head (a bias-free Linear)."""
+
+    def __init__(self, source: WeightSource) -> None:
+        super().__init__()
+        self.head = source.copy_of(_arch(source.hf_config).lm_head)
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        return self.head(hidden_states)
+
+
+# ---------------------------------------------------------------------------------------
+# Layout: which global layer holds which HF submodule
+
+
+@dataclass(frozen=True)
+class _LayerSlot:
+    """One pipeline-state prefix and the HF state prefix it maps to."""
+
+    pipe_prefix: str
+    hf_prefix: str
+
+
+def _layout(hf_config: transformers.PretrainedConfig) -> tuple[int, list[_LayerSlot]]:
+    """Number of pipeline layers and the name prefixes of every parameterised part."""
+    arch = _arch(hf_config)
+    tied = _is_tied(hf_config)
+    slots: list[_LayerSlot] = []
+    idx = 0
+    embed_prefix = _TIED_PREFIX if tied else f"{idx}."
+    slots.append(_LayerSlot(f"{embed_prefix}embedding.", f"{arch.tok_embed}."))
+    idx += 1
+    if arch.pos_embed or arch.embed_dropout:
+        if arch.pos_embed:
+            slots.append(_LayerSlot(f"{idx}.wpe.", f"{arch.pos_embed}."))
+        idx += 1
+    for block_idx in range(num_blocks(hf_config)):
+        slots.append(_LayerSlot(f"{idx}.block.", f"{arch.blocks}.{block_idx}."))
+        idx += 1
+    slots.append(_LayerSlot(f"{idx}.norm.", f"{arch.final_norm}."))
+    idx += 1
+    if not tied:
+        slots.append(_LayerSlot(f"{idx}.head.", f"{arch.lm_head}."))
+    idx += 1
+    return idx, slots
+
+
+def num_layers(hf_config: transformers.PretrainedConfig) -> int:
+    """Number of pipeline layers (specs) :func:`build_layer_specs` returns."""
+    return _layout(hf_config)[0]
+
+
+def tied_layer_indices(hf_config: transformers.PretrainedConfig) -> dict[str, tuple[int, ...]]:
+    """Pipeline-state prefix of each tied module -> the global layers that use it.
+
+    Empty for an untied model; for a tied one ``{"tied_modules.embed.": (0, last)}``: a stage
+    holds (and reports in its state dict) the tied weight iff it owns one of these layers.
+    """
+    if not _is_tied(hf_config):
+        return {}
+    count = num_layers(hf_config)
+    return {_TIED_PREFIX: (0, count - 1)}
+
+
+def _swap_prefix(name: str, pairs: list[tuple[str, str]], what: str) -> str:
+    for old, new in pairs:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    raise ValueError(f"{what} state name {name!r} belongs to no layer of this model")
+
+
+def layer_names_to_hf(
+    pipe_state: Mapping[str, Tensor], hf_config: transformers.PretrainedConfig
+) -> dict[str, Tensor]:
+    """Pipeline state-dict names -> HF state-dict names (same tensors, not copies).
+
+    Works on any subset (e.g. one stage's state). The tied embedding maps to the HF input
+    embedding only; HF's tied alias (``lm_head.weight``) is not produced. Inverse of
+    :func:`hf_to_layer_names`.
+    """
+    pairs = [(slot.pipe_prefix, slot.hf_prefix) for slot in _layout(hf_config)[1]]
+    return {_swap_prefix(name, pairs, "pipeline"): tensor for name, tensor in pipe_state.items()}
+
+
+def hf_to_layer_names(
+    hf_state: Mapping[str, Tensor], hf_config: transformers.PretrainedConfig
+) -> dict[str, Tensor]:
+    """HF state-dict names -> pipeline state-dict names (same tensors, not copies).
+
+    For a tied model, HF's alias ``lm_head.weight`` is dropped (it must equal the input
+    embedding when both are given). Inverse of :func:`layer_names_to_hf`.
+    """
+    arch = _arch(hf_config)
+    pairs = [(slot.hf_prefix, slot.pipe_prefix) for slot in _layout(hf_config)[1]]
+    out: dict[str, Tensor] = {}
+    alias = f"{arch.lm_head}.weight"
+    for name, tensor in hf_state.items():
+        if _is_tied(hf_config) and name == alias:
+            embedding = hf_state.get(f"{arch.tok_embed}.weight")
+            if embedding is not None and not torch.equal(embedding, tensor):
+                raise ValueError(
+                    f"{alias} differs from {arch.tok_embed}.weight in a model with tied embeddings"
+                )
+            continue
+        out[_swap_prefix(name, pairs, "Hugging Face")] = tensor
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Pipeline
+
+
+def build_layer_specs(
+    hf_config: transformers.PretrainedConfig, *, seed: int, pretrained_dir: str | None = None
+) -> list[LayerSpec]:
+    """The pipeline layers (see the module docstring for the layout).
+
+    Weights come from one full HF model built from ``seed`` (or loaded from
+    ``pretrained_dir``) on first use, so they equal :func:`reference_model`'s whatever the
+    partition. Call ``release_weight_source(specs)`` once the PipelineModule is built.
+    """
+    arch = _arch(hf_config)
+    source = WeightSource(hf_config, seed, pretrained_dir)
+    specs: list[LayerSpec] = []
+    if _is_tied(hf_config):
+        specs.append(
+            TiedLayerSpec(TIED_KEY, TokenEmbeddingPipe, source, tied_weight_attr="embedding.weight")
+        )
+    else:
+        specs.append(LayerSpec(TokenEmbeddingPipe, source))
+    if arch.pos_embed or arch.embed_dropout:
+        specs.append(LayerSpec(EmbeddingPostPipe, source))
+    for block_idx in range(num_blocks(hf_config)):
+        specs.append(LayerSpec(TransformerBlockPipe, source, block_idx))
+    specs.append(LayerSpec(FinalNormPipe, source))
+    if _is_tied(hf_config):
+        specs.append(
+            TiedLayerSpec(
+                TIED_KEY,
+                TokenEmbeddingPipe,
+                source,
+                forward_fn=_tied_lm_head,
+                tied_weight_attr="embedding.weight",
+            )
+        )
+    else:
+        specs.append(LayerSpec(LMHeadPipe, source))
+    assert len(specs) == num_layers(hf_config)
+    return specs
+
+
+def release_weight_source(specs: list[LayerSpec]) -> None:
+    """Drop the full HF model the specs built their layers from (frees its memory)."""
+    for spec in specs:
+        for arg in spec.module_args:
+            if isinstance(arg, WeightSource):
+                arg.release()
+
+
+def partition_method(hf_config: transformers.PretrainedConfig) -> str:
+    """DeepSpeed partition method that spreads the transformer blocks evenly over stages.
+
+    Only TransformerBlockPipe layers weigh anything; the embedding goes with the first stage
+    and the norm and head with the last.
+    """
+    _arch(hf_config)
+    return f"type:{_BLOCK_CLASS_NAME}"
+
+
+def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
+    """Mean cross-entropy over all positions; ``labels`` are already shifted (no shift here).
+
+    The PipelineModule's loss_fn and the reference tests' loss. Labels -100 are ignored.
+    """
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def build_pipeline_module(
+    hf_config: transformers.PretrainedConfig,
+    num_stages: int,
+    *,
+    seed: int,
+    pretrained_dir: str | None = None,
+    activation_checkpoint_interval: int = 0,
+    topology: Any = None,
+) -> PipelineModule:
+    """The model as a DeepSpeed PipelineModule over ``num_stages`` stages.
+
+    Needs torch.distributed (deepspeed.comm) initialised. With ``topology`` its pipe
+    dimension must equal ``num_stages``. Activation checkpointing applies to the
+    transformer blocks only (the reentrant checkpoint cannot take the integer token ids).
+    """
+    count = num_blocks(hf_config)
+    if num_stages < 1:
+        raise UserError(f"--stages {num_stages}: use at least 1 stage")
+    if num_stages > count:
+        raise UserError(
+            f"--stages {num_stages} is more than the model's {count} transformer blocks; "
+            f"use at most {count} stages or a deeper model"
+        )
+    if topology is not None and topology.get_dim("pipe") != num_stages:
+        raise ValueError(
+            f"topology has {topology.get_dim('pipe')} pipeline stages, num_stages is {num_stages}"
+        )
+    specs = build_layer_specs(hf_config, seed=seed, pretrained_dir=pretrained_dir)
+    module = PipelineModule(
+        layers=specs,
+        num_stages=None if topology is not None else num_stages,
+        topology=topology,
+        loss_fn=causal_lm_loss,
+        partition_method=partition_method(hf_config),
+        activation_checkpoint_interval=activation_checkpoint_interval,
+        checkpointable_layers=[_BLOCK_CLASS_NAME],
+    )
+    release_weight_source(specs)
+    return module
+
+
+def reference_model(
+    hf_config: transformers.PretrainedConfig, seed: int, pretrained_dir: str | None = None
+) -> transformers.PreTrainedModel:
+    """The plain HF model with exactly the pipeline's initial weights (for reference tests).
+
+    Same ``seed`` (and ``pretrained_dir``) -> same weights as :func:`build_layer_specs`.
+    Returned in train mode, like freshly built pipeline layers.
+    """
+    return _build_hf_model(hf_config, seed, pretrained_dir)
+
+
+def save_pretrained(
+    pipe_state: Mapping[str, Tensor], hf_config: transformers.PretrainedConfig, out_dir: str
+) -> None:
+    """Write the full pipeline state as an HF model directory (``from_pretrained`` loads it).
+
+    ``pipe_state`` is the pipeline's state dict merged over all stages. Written to a
+    temporary directory next to ``out_dir`` and renamed into place; an existing
+    ``out_dir`` is replaced.
+    """
+    hf_state = layer_names_to_hf(pipe_state, hf_config)
+    config = copy.deepcopy(hf_config)
+    with torch.random.fork_rng(devices=[]):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    expected = set(hf_to_layer_names(model.state_dict(), hf_config))
+    given = set(pipe_state)
+    if expected != given:
+        missing = sorted(expected - given)
+        extra = sorted(given - expected)
+        raise ValueError(
+            f"pipeline state does not cover the model: missing {missing[:5]}, unexpected {extra[:5]}"
+        )
+    with torch.no_grad():
+        params = dict(model.named_parameters())  # tied aliases appear once
+        for name, tensor in hf_state.items():
+            params[name].copy_(tensor.detach().to(params[name].device))
+    out_dir = os.path.abspath(out_dir)
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        model.save_pretrained(tmp_dir)
+        if os.path.exists(out_dir):
+            old_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
+            os.rename(out_dir, os.path.join(old_dir, "d"))
+            os.rename(tmp_dir, out_dir)
+            shutil.rmtree(old_dir)
+        else:
+            os.rename(tmp_dir, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise

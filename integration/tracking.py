@@ -1,0 +1,104 @@
+"""What a run reports: ``summary.json``, wandb, and the progress display (rank 0 only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from spotline.config import TrackingSection
+
+SUMMARY_NAME = "summary.json"
+
+
+def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
+    """Write JSON so a reader sees either the old file or the whole new one, never a part."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class Tracker:
+    """Per-step metrics to wandb and a progress bar, both on rank 0 only.
+
+    wandb runs offline by default (no account, no network); ``tracking.wandb = "online"``
+    uses the user's configured account, ``"disabled"`` turns it off.
+    """
+
+    def __init__(
+        self,
+        settings: TrackingSection,
+        *,
+        enabled: bool,
+        output_dir: Path,
+        total_steps: int,
+        run_config: dict[str, Any],
+    ) -> None:
+        self.enabled = enabled
+        self._run: Any = None
+        self._bar: Any = None
+        if not enabled:
+            return
+        if settings.wandb != "disabled":
+            import wandb
+
+            mode = os.environ.get("WANDB_MODE", settings.wandb)
+            self._run = wandb.init(
+                project=settings.project,
+                name=settings.run_name,
+                dir=str(output_dir),
+                mode=mode,
+                config=run_config,
+                reinit="finish_previous",
+                settings=wandb.Settings(silent=True, console="off"),
+            )
+        if settings.progress and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total_steps, desc="spotline", unit="step", dynamic_ncols=True)
+        self._plain_progress = settings.progress and self._bar is None
+        self._total = total_steps
+
+    def log_step(self, step: int, metrics: dict[str, float]) -> None:
+        if not self.enabled:
+            return
+        if self._run is not None:
+            self._run.log(metrics, step=step)
+        if self._bar is not None:
+            self._bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+            self._bar.update(1)
+        elif self._plain_progress and (step + 1) % max(1, self._total // 10) == 0:
+            # Not a terminal (CI, a pipe): a line every tenth of the run instead of a bar.
+            print(
+                f"spotline: step {step + 1}/{self._total} loss {metrics['loss']:.4f}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def log_event(self, name: str, payload: dict[str, Any]) -> None:
+        if self.enabled and self._run is not None:
+            self._run.log({f"event/{name}": 1, **{f"event/{k}": v for k, v in payload.items()}})
+
+    def finish(self, summary: dict[str, Any] | None) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        if self._run is not None:
+            if summary is not None:
+                for key, value in summary.items():
+                    if isinstance(value, (int, float, str)):
+                        self._run.summary[key] = value
+            self._run.finish()

@@ -1,0 +1,199 @@
+"""The worker's training loop: one process, one DeepSpeed pipeline engine, one code path.
+
+Both entry points end here: ``deepspeed launch/train.py`` (DeepSpeed's launcher starts the
+processes) and ``spotline train`` (Spotline's launcher starts them). The loop reads each
+micro-batch from the global sampler by (step, logical worker, micro-batch), so what a
+pipeline trains on never depends on how many processes exist.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from spotline import data as sl_data
+from spotline import models
+from spotline.config import RunConfig
+from spotline.engine import build_engine, deepspeed_config_for, step_batches
+from spotline.plan.sampler import GlobalSampler
+from spotline.runtime import (
+    configure_process,
+    init_distributed,
+    param_sha256,
+    peak_rss_mib,
+    seed_everything,
+)
+from spotline.tracking import SUMMARY_NAME, Tracker, write_json_atomic
+
+
+def pretrained_dir_of(model_spec: str) -> str | None:
+    """The directory to load weights from, if the model spec is a saved model with weights."""
+    path = Path(model_spec)
+    weights = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+    if path.is_dir() and any((path / w).exists() for w in weights):
+        return str(path)
+    return None
+
+
+@dataclass(frozen=True)
+class WorkerIdentity:
+    rank: int
+    world_size: int
+
+
+def prepare_inputs(cfg: RunConfig) -> tuple[Any, sl_data.PackedCorpus]:
+    """Resolve the model config and corpus; raises UserError on bad input.
+
+    The launcher calls this before starting any worker so that a user mistake is reported
+    once, as one line, with no process started and nothing written.
+    """
+    sl = cfg.spotline
+    hf_config = models.load_hf_config(sl.model.name, sl.model.overrides)
+    num_blocks = models.num_blocks(hf_config)
+    if cfg.num_stages > num_blocks:
+        from spotline.errors import UserError
+
+        raise UserError(
+            f"--stages {cfg.num_stages} is more than the model's {num_blocks} transformer blocks; "
+            f"use at most {num_blocks} stages or a deeper model"
+        )
+    samples_per_step = cfg.micro_batch_size * cfg.num_micro_batches * cfg.num_pipelines
+    corpus = sl_data.load_corpus(
+        sl.data.path, sl.data.tokenizer, sl.model.seq_len, min_sequences=samples_per_step
+    )
+    return hf_config, corpus
+
+
+def gather_hf_parameters(engine: Any, hf_config: Any) -> dict[str, torch.Tensor] | None:
+    """Collect every parameter of pipeline 0 on global rank 0, under Hugging Face names."""
+    mine: dict[str, torch.Tensor] = {}
+    if engine.grid.data_parallel_id == 0:
+        mine = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+    gathered: list[dict[str, torch.Tensor]] | None = (
+        [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    )
+    dist.gather_object(mine, gathered, dst=0)
+    if gathered is None:
+        return None
+    full: dict[str, torch.Tensor] = {}
+    for part in gathered:
+        full.update(part)
+    return models.layer_names_to_hf(full, hf_config)
+
+
+def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
+    """Train ``cfg`` in this process (one rank of the job); rank 0 returns the summary."""
+    import os
+
+    sl = cfg.spotline
+    ident = WorkerIdentity(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    configure_process(
+        intra_op_threads=sl.determinism.intra_op_threads, deterministic=sl.determinism.enabled
+    )
+    seed_everything(sl.training.seed)
+    hf_config, corpus = prepare_inputs(cfg)
+    if ident.world_size != cfg.num_workers:
+        from spotline.errors import UserError
+
+        raise UserError(
+            f"{ident.world_size} processes were started but the config asks for "
+            f"{cfg.num_workers} workers; pass --workers {ident.world_size} or start {cfg.num_workers}"
+        )
+    init_distributed()
+    t_setup = time.perf_counter()
+    module = models.build_pipeline_module(
+        hf_config,
+        cfg.num_stages,
+        seed=sl.training.seed,
+        pretrained_dir=pretrained_dir_of(sl.model.name),
+        activation_checkpoint_interval=sl.model.activation_checkpoint_interval,
+    )
+    engine = build_engine(module, deepspeed_config_for(cfg.deepspeed, num_pipelines=cfg.num_pipelines))
+    setup_s = time.perf_counter() - t_setup
+
+    sampler = GlobalSampler(
+        num_samples=len(corpus),
+        num_logical_workers=cfg.num_pipelines,
+        micro_batch_size=cfg.micro_batch_size,
+        num_micro_batches=cfg.num_micro_batches,
+        seed=sl.training.seed,
+    )
+
+    def get_batch(step: int, logical_worker: int, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return corpus.batch(sampler.indices(step, logical_worker, micro_batch))
+
+    is_reporter = ident.rank == 0
+    tracker = Tracker(
+        sl.tracking,
+        enabled=is_reporter,
+        output_dir=output_dir,
+        total_steps=sl.training.steps,
+        run_config=cfg.to_json(),
+    )
+    losses: list[float] = []
+    step_times: list[float] = []
+    pipeline_id = engine.grid.data_parallel_id
+    t0 = time.perf_counter()
+    for step in range(sl.training.steps):
+        t_step = time.perf_counter()
+        engine.begin_step(seed=sl.training.seed, step=step, logical_worker=pipeline_id)
+        loss = engine.train_batch(
+            data_iter=step_batches(
+                get_batch, step=step, logical_worker=pipeline_id, num_micro_batches=cfg.num_micro_batches
+            )
+        )
+        step_times.append(time.perf_counter() - t_step)
+        losses.append(float(loss))
+        tracker.log_step(step, {"loss": losses[-1], "step_time_s": step_times[-1]})
+    wall_s = time.perf_counter() - t0
+
+    hf_params = gather_hf_parameters(engine, hf_config)
+    peak = torch.tensor([peak_rss_mib()], dtype=torch.float64)
+    peaks = [torch.zeros_like(peak) for _ in range(ident.world_size)]
+    dist.all_gather(peaks, peak)
+    summary: dict[str, Any] | None = None
+    if is_reporter:
+        assert hf_params is not None
+        samples = sl.training.steps * cfg.micro_batch_size * cfg.num_micro_batches * cfg.num_pipelines
+        summary = {
+            "steps": sl.training.steps,
+            "losses": losses,
+            "final_loss": losses[-1],
+            "samples_per_s": samples / wall_s,
+            "wall_s": wall_s,
+            "setup_s": setup_s,
+            "step_time_s": sorted(step_times)[len(step_times) // 2],
+            "workers": cfg.num_workers,
+            "stages": cfg.num_stages,
+            "pipelines": cfg.num_pipelines,
+            "micro_batch_size": cfg.micro_batch_size,
+            "micro_batches": cfg.num_micro_batches,
+            "model": sl.model.name,
+            "seed": sl.training.seed,
+            "deterministic": sl.determinism.enabled,
+            "redundancy": sl.redundancy.mode,
+            "param_sha256": param_sha256(hf_params),
+            "peak_rss_mib_per_rank": [float(p.item()) for p in peaks],
+            "preemptions": 0,
+            "recoveries": 0,
+            "checkpoint_fallbacks": 0,
+            "steps_redone": 0,
+            "recovery_events": [],
+        }
+        if sl.model.name and output_dir is not None:
+            models.save_pretrained(
+                _pipeline_state_from_hf(hf_params, hf_config), hf_config, str(output_dir / "model")
+            )
+        write_json_atomic(output_dir / SUMMARY_NAME, summary)
+    tracker.finish(summary)
+    dist.barrier()
+    return summary
+
+
+def _pipeline_state_from_hf(hf_params: dict[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+    return models.hf_to_layer_names(hf_params, hf_config)

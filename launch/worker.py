@@ -1,0 +1,43 @@
+"""One Spotline worker process (started by ``spotline train`` or by DeepSpeed's launcher).
+
+Reads its rank from the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and a
+resolved config file, and trains. A user mistake found here (normally the launcher finds it
+first) is printed once, by rank 0, and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from spotline.errors import UserError
+
+
+def run(config_path: str | None, output: str, overrides: dict[str, object]) -> int:
+    from spotline.config import load_config, with_overrides
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        cfg = with_overrides(load_config(config_path), overrides)
+        from spotline.trainer import run_worker
+
+        run_worker(cfg, Path(output))
+    except UserError as exc:
+        if rank == 0:
+            print(f"spotline: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spotline-worker")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--output", required=True)
+    args = parser.parse_args(argv)
+    return run(args.config, args.output, {})
+
+
+if __name__ == "__main__":
+    sys.exit(main())

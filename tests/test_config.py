@@ -1,0 +1,84 @@
+"""The config parser: strict keys and types, cross-field checks, every shipped config valid."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from spotline.config import load_config, parse_config, with_overrides
+from spotline.errors import UserError
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.json"))
+
+
+def test_configs_folder_is_not_empty() -> None:
+    assert len(CONFIGS) >= 4
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_validates(path: Path) -> None:
+    cfg = load_config(path)
+    assert cfg.num_workers % cfg.num_stages == 0
+    # DeepSpeed's own keys stay outside the spotline section.
+    assert "spotline" not in cfg.deepspeed
+
+
+def test_default_file_equals_builtin_default() -> None:
+    assert load_config("configs/default.json").spotline == parse_config({}).spotline
+    assert load_config(None).deepspeed == load_config("configs/default.json").deepspeed
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        ({"spotline": {"redundancy": {"mdoe": "eager"}}}, "'spotline.redundancy.mdoe' is unknown; expected one of: mode"),
+        ({"spotline": {"redundncy": {}}}, "'spotline.redundncy' is unknown"),
+        ({"spotline": {"topology": {"stages": "two"}}}, "'spotline.topology.stages' is \"two\"; expected an integer"),
+        ({"spotline": {"topology": {"stages": True}}}, "expected an integer"),
+        ({"spotline": {"redundancy": {"mode": "eagre"}}}, 'expected "off" or "lazy" or "eager"'),
+        ({"spotline": {"topology": {"workers": 3, "stages": 2}}}, "--workers 3 is not divisible by --stages 2"),
+        ({"spotline": {"training": {"steps": 0}}}, "'spotline.training.steps' is 0; expected a positive integer"),
+        ({"train_batch_size": 7}, "'train_batch_size' is 7"),
+        ({"elasticity": {"enabled": True}}, "spotline.elasticity"),
+        ({"spotline": []}, "'spotline' is []; expected an object"),
+    ],
+)
+def test_bad_config_is_one_clear_line(raw: dict, needle: str) -> None:
+    with pytest.raises(UserError) as info:
+        parse_config(raw)
+    message = str(info.value)
+    assert needle in message
+    assert "\n" not in message
+
+
+def test_flags_override_the_file_through_the_same_parser() -> None:
+    cfg = with_overrides(load_config(None), {"spotline.topology.workers": 8, "spotline.redundancy.mode": "lazy"})
+    assert cfg.num_workers == 8 and cfg.num_pipelines == 4
+    assert cfg.spotline.redundancy.mode == "lazy"
+    with pytest.raises(UserError, match="'spotline.redundancy.mode' is \"sometimes\""):
+        with_overrides(cfg, {"spotline.redundancy.mode": "sometimes"})
+
+
+def test_bad_json_and_missing_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"spotline": {')
+    with pytest.raises(UserError, match="not valid JSON"):
+        load_config(bad)
+    with pytest.raises(UserError, match="does not exist"):
+        load_config(tmp_path / "missing.json")
+
+
+def test_round_trip_through_json() -> None:
+    cfg = load_config("configs/gpt2-tiny-eager.json")
+    again = parse_config(json.loads(json.dumps(cfg.to_json())))
+    assert again.spotline == cfg.spotline and again.deepspeed == cfg.deepspeed
+
+
+def test_config_module_is_pure() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, spotline.config; assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
