@@ -174,7 +174,13 @@ DEFAULT_DEEPSPEED: dict[str, Any] = {
     "optimizer": {
         "type": "AdamW",
         # torch_adam: DeepSpeed's fused CPU Adam would JIT-compile for minutes.
-        "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "torch_adam": True},
+        "params": {
+            "lr": 1e-3,
+            "betas": [0.9, 0.999],
+            "eps": 1e-8,
+            "weight_decay": 0.01,
+            "torch_adam": True,
+        },
     },
     "steps_per_print": 1000000,
     "wall_clock_breakdown": False,
@@ -262,7 +268,9 @@ def validate(cfg: RunConfig) -> None:
     for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         value = ds.get(key)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise UserError(f"config key '{key}' is {json.dumps(value)}; expected a positive integer")
+            raise UserError(
+                f"config key '{key}' is {json.dumps(value)}; expected a positive integer"
+            )
     _positive("spotline.topology.stages", sl.topology.stages)
     _positive("spotline.topology.workers", sl.topology.workers)
     _positive("spotline.training.steps", sl.training.steps)

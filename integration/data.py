@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
 from spotline.errors import UserError
 
 if TYPE_CHECKING:

@@ -14,11 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from deepspeed import set_optimizer_flags
 from deepspeed.runtime.config import DeepSpeedConfig
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
+from spotline.clipping import apply_clip, clip_coefficient, per_layer_sq_norms
 from spotline.runtime import derive_seed
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -39,6 +41,16 @@ class RngContext:
     micro_batch: int
 
 
+@dataclass(frozen=True)
+class TiedPair:
+    """A tied copy (e.g. the LM head's embedding) and the parameter it copies, by global name."""
+
+    original: str
+    copy: str
+    original_layer: int
+    copy_layer: int
+
+
 class SpotlinePipelineEngine(PipelineEngine):
     """DeepSpeed's pipeline engine with placement-independent randomness.
 
@@ -56,6 +68,8 @@ class SpotlinePipelineEngine(PipelineEngine):
         self._num_forwards = 0
         self._num_backwards = 0
         self._rng_micro_batch = 0
+        self.last_clip_coefficient = 1.0
+        self._index_tied_copies()
         self._install_rng_hooks()
 
     # -- randomness -------------------------------------------------------------------
@@ -87,6 +101,83 @@ class SpotlinePipelineEngine(PipelineEngine):
         self.rng_logical_worker = logical_worker
         self._num_forwards = 0
         self._num_backwards = 0
+
+    # -- tied weights ---------------------------------------------------------------------
+    def _index_tied_copies(self) -> None:
+        """Find tied copies (layers whose class declares ``tied_to``) and build their groups.
+
+        A tied copy is a separate parameter kept equal to its original: the two gradients
+        are added once per step (``ReduceTiedGrads``), locally when one rank holds both
+        layers, by an all-reduce of two ranks otherwise. Both add the same two numbers, so
+        the bits do not depend on the placement (DeepSpeed's TiedLayerSpec instead shares
+        one parameter when both layers sit on one stage, and autograd then adds the two
+        gradients per micro-batch, which rounds differently).
+        """
+        module: PipelineModule = self.module
+        self.tied_pairs: list[TiedPair] = []
+        for layer_idx, spec in enumerate(module._layer_specs):
+            for path, (orig_layer, orig_path) in getattr(spec.typename, "tied_to", {}).items():
+                self.tied_pairs.append(
+                    TiedPair(
+                        f"{orig_layer}.{orig_path}", f"{layer_idx}.{path}", orig_layer, layer_idx
+                    )
+                )
+        self.tied_copy_names = {pair.copy for pair in self.tied_pairs}
+        self._tied_groups: dict[str, Any] = {}
+        for pair in self.tied_pairs:
+            stage_a = self.stage_of_layer(pair.original_layer)
+            stage_b = self.stage_of_layer(pair.copy_layer)
+            if stage_a == stage_b:
+                continue
+            # new_group is collective: every rank creates every pipeline's group, in order.
+            for data_id in range(self.grid.get_data_parallel_world_size()):
+                ranks = sorted(
+                    {
+                        self.grid.stage_to_global(stage_a, data=data_id),
+                        self.grid.stage_to_global(stage_b, data=data_id),
+                    }
+                )
+                group = dist.new_group(ranks=ranks)
+                if data_id == self.grid.data_parallel_id:
+                    self._tied_groups[pair.copy] = group
+
+    def stage_of_layer(self, layer_idx: int) -> int:
+        parts = self.module.parts
+        for stage in range(self.num_stages):
+            if parts[stage] <= layer_idx < parts[stage + 1]:
+                return stage
+        raise AssertionError(f"layer {layer_idx} is in no stage (parts {parts})")
+
+    def _exec_reduce_tied_grads(self) -> None:
+        params = dict(self.module.named_parameters())
+        for pair in self.tied_pairs:
+            if pair.original in params and pair.copy in params:
+                summed = params[pair.original].grad + params[pair.copy].grad
+                params[pair.original].grad.copy_(summed)
+                params[pair.copy].grad.copy_(summed)
+            elif pair.original in params or pair.copy in params:
+                held = params[pair.original] if pair.original in params else params[pair.copy]
+                dist.all_reduce(held.grad, group=self._tied_groups[pair.copy])
+
+    # -- gradient clipping ----------------------------------------------------------------
+    def clip_fp32_gradients(self) -> None:
+        """Clip by the global norm over logical layers (replaces DeepSpeed's stage-0-only norm).
+
+        DeepSpeed calls this from ``_take_model_step`` when ``gradient_clipping > 0``, after
+        the tied and data-parallel reductions, so every pipeline computes the same value.
+        """
+        module = self.module
+        values = per_layer_sq_norms(
+            ((name, p.grad) for name, p in module.named_parameters()),
+            num_layers=len(module._layer_specs),
+            owned_layers=range(module._local_start, module._local_stop),
+            skip=self.tied_copy_names,
+        )
+        if self.num_stages > 1:
+            # Exact whatever the reduction order: each entry is non-zero on one rank only.
+            dist.all_reduce(values, group=self.grid.get_pipe_parallel_group())
+        self.last_clip_coefficient = clip_coefficient(values, self.gradient_clipping())
+        apply_clip((p.grad for p in module.parameters()), self.last_clip_coefficient)
 
     def _exec_forward_pass(self, buffer_id: int) -> None:
         # 1F1B runs each stage's forwards, and its backwards, in micro-batch order.
@@ -153,7 +244,11 @@ def build_engine(
 
 
 def step_batches(
-    get_batch: Callable[[int, int, int], Batch], *, step: int, logical_worker: int, num_micro_batches: int
+    get_batch: Callable[[int, int, int], Batch],
+    *,
+    step: int,
+    logical_worker: int,
+    num_micro_batches: int,
 ) -> Iterator[Batch]:
     """The micro-batches one pipeline consumes in one step, in micro-batch order.
 

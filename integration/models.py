@@ -6,26 +6,30 @@ stages, and maps state between the pipeline's names and the Hugging Face model's
 
 Layer layout (global layer indices, the same whatever the partition)::
 
-    0          token embedding          TiedLayerSpec "embed" when the config ties word
-                                        embeddings, else LayerSpec
+    0          token embedding          LayerSpec
     1          position embedding +     only for architectures that have either
                embedding dropout        (GPT-2: wpe + drop; GPT-NeoX: emb_dropout)
     k .. k+B-1 TransformerBlockPipe     one per transformer block, wrapping the real
                                         transformers block class (GPT2Block, ...)
     k+B        final norm
-    k+B+1      LM head                  the tied "embed" module with ``_tied_lm_head`` as
-                                        forward_fn (F.linear with the embedding weight),
-                                        or an untied Linear
+    k+B+1      LM head                  TiedLMHeadPipe (its own copy of the embedding
+                                        weight) when the config ties word embeddings,
+                                        else an untied Linear
 
 Only one tensor, the hidden states, crosses a stage boundary: rotary embeddings are
 recomputed inside each block wrapper and the causal mask comes from SDPA's ``is_causal``.
 
 State-dict names on the pipeline side are what ``PipelineModule.state_dict()`` yields,
-merged over stages: ``"<global_layer_idx>.<param path>"`` for ordinary layers, and for the
-tied embedding DeepSpeed's own name ``"tied_modules.embed.embedding.weight"`` (no layer
-index). Every stage that holds a copy of the tied module (the first and the last) reports
-it under that same name, and DeepSpeed keeps the copies equal, so merging the per-stage
-state dicts is unambiguous. :func:`tied_layer_indices` says which layers share it.
+merged over stages: ``"<global_layer_idx>.<param path>"``, the same whatever the partition.
+
+Tied embeddings are two parameters kept equal, never one shared parameter. DeepSpeed's
+``TiedLayerSpec`` shares one module when the first and the last layer sit on the same
+stage, and then autograd adds the embedding's and the head's gradient inside every
+micro-batch's backward, while across stages they accumulate separately and are added once
+(``ReduceTiedGrads``): the bits would change with the number of stages. Here the LM head
+always holds its own copy (``TiedLMHeadPipe.tied_to`` names the original) and Spotline's
+engine adds the two accumulated gradients once per step in every placement. In Hugging
+Face names the copy is ``lm_head.weight``, the alias of the input embedding.
 
 Initial weights never depend on the partition: the full HF model is built once (seeded,
 or loaded from a directory) and every layer deep-copies its part from it, so a pipeline
@@ -40,12 +44,12 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 import transformers
-from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.pipe import LayerSpec, PipelineModule
 from torch import Tensor, nn
 
 from spotline.errors import UserError
@@ -111,8 +115,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 # DeepSpeed's key for the tied embedding module; its state-dict prefix is "tied_modules.embed.".
-TIED_KEY = "embed"
-_TIED_PREFIX = f"tied_modules.{TIED_KEY}."
 # Class name the "type:" partition method counts: only transformer blocks weigh anything.
 _BLOCK_CLASS_NAME = "TransformerBlockPipe"
 
@@ -201,7 +203,9 @@ def load_hf_config(
         try:
             config = transformers.AutoConfig.from_pretrained(spec, local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            first_line = (
+                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            )
             raise UserError(
                 f"model directory {spec!r}: config.json could not be read ({first_line}); "
                 "rewrite it with save_pretrained"
@@ -245,7 +249,7 @@ def _build_hf_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if pretrained_dir is None:
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
         else:
             if not os.path.isdir(pretrained_dir):
                 raise UserError(
@@ -253,21 +257,31 @@ def _build_hf_model(
                     "pass a directory written by save_pretrained"
                 )
             try:
-                model = transformers.AutoModelForCausalLM.from_pretrained(
+                # With output_loading_info it returns (model, info); the stubs say model only.
+                loaded: Any = transformers.AutoModelForCausalLM.from_pretrained(
                     pretrained_dir,
                     config=config,
                     local_files_only=True,
                     attn_implementation="sdpa",
-                    dtype=torch.float32,
+                    output_loading_info=True,
                 )
             except OSError as exc:
                 raise UserError(
                     f"pretrained weights {pretrained_dir!r}: no model weights found; "
                     "pass a directory written by save_pretrained (with model.safetensors)"
                 ) from exc
-    model.float()
+            # transformers fills missing weights with random ones and only logs a warning.
+            model, info = loaded
+            missing = sorted(info.get("missing_keys", ())) + sorted(info.get("mismatched_keys", ()))
+            if missing:
+                raise UserError(
+                    f"pretrained weights {pretrained_dir!r} lack {len(missing)} of the model's "
+                    f"tensors (first: {missing[0]}); pass a directory written by save_pretrained "
+                    "for this exact model"
+                )
+    model.float()  # a directory saved in bf16 loads as bf16; the pipeline runs fp32
     model.train()
-    return model
+    return cast(transformers.PreTrainedModel, model)
 
 
 class WeightSource:
@@ -315,12 +329,25 @@ class TokenEmbeddingPipe(nn.Module):
         self.embedding = source.copy_of(_arch(source.hf_config).tok_embed)
 
     def forward(self, input_ids: Tensor) -> Tensor:
-        return self.embedding(input_ids)
+        return cast(Tensor, self.embedding(input_ids))
 
 
-def _tied_lm_head(module: TokenEmbeddingPipe, hidden_states: Tensor) -> Tensor:
-    """LM head of a tied model: the same op as HF's bias-free ``nn.Linear`` lm_head."""
-    return F.linear(hidden_states, module.embedding.weight)
+class TiedLMHeadPipe(nn.Module):
+    """LM head of a tied model: its own copy of the token embedding, used as HF's lm_head.
+
+    ``tied_to`` tells the engine that ``embedding.weight`` is a copy of layer 0's
+    ``embedding.weight``: their gradients are added once per step and the two stay equal.
+    """
+
+    tied_to = {"embedding.weight": (0, "embedding.weight")}
+
+    def __init__(self, source: WeightSource) -> None:
+        super().__init__()
+        self.embedding = source.copy_of(_arch(source.hf_config).tok_embed)
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        # The same op as HF's bias-free nn.Linear lm_head.
+        return F.linear(hidden_states, cast(Tensor, self.embedding.weight))
 
 
 class EmbeddingPostPipe(nn.Module):
@@ -361,7 +388,9 @@ class TransformerBlockPipe(nn.Module):
         self.rotary = source.copy_of(arch.rotary) if arch.rotary else None
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        position_ids = torch.arange(hidden_states.shape[1], device=hidden_states.device).unsqueeze(0)
+        seq_len = hidden_states.shape[1]
+        position_ids = torch.arange(seq_len, device=hidden_states.device).unsqueeze(0)
+        # HF passes position_ids to every block; only rotary blocks use them.
         kwargs: dict[str, Any] = {"position_ids": position_ids}
         if self.rotary is not None:
             kwargs["position_embeddings"] = self.rotary(hidden_states, position_ids=position_ids)
@@ -369,7 +398,7 @@ class TransformerBlockPipe(nn.Module):
         # transformers 5.x blocks return the hidden states, 4.x a tuple starting with them.
         if isinstance(out, tuple):
             out = out[0]
-        return out
+        return cast(Tensor, out)
 
 
 class FinalNormPipe(nn.Module):
@@ -380,7 +409,7 @@ class FinalNormPipe(nn.Module):
         self.norm = source.copy_of(_arch(source.hf_config).final_norm)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        return self.norm(hidden_states)
+        return cast(Tensor, self.norm(hidden_states))
 
 
 class LMHeadPipe(nn.Module):
@@ -391,7 +420,7 @@ class LMHeadPipe(nn.Module):
         self.head = source.copy_of(_arch(source.hf_config).lm_head)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
-        return self.head(hidden_states)
+        return cast(Tensor, self.head(hidden_states))
 
 
 # ---------------------------------------------------------------------------------------
@@ -412,8 +441,7 @@ def _layout(hf_config: transformers.PretrainedConfig) -> tuple[int, list[_LayerS
     tied = _is_tied(hf_config)
     slots: list[_LayerSlot] = []
     idx = 0
-    embed_prefix = _TIED_PREFIX if tied else f"{idx}."
-    slots.append(_LayerSlot(f"{embed_prefix}embedding.", f"{arch.tok_embed}."))
+    slots.append(_LayerSlot(f"{idx}.embedding.", f"{arch.tok_embed}."))
     idx += 1
     if arch.pos_embed or arch.embed_dropout:
         if arch.pos_embed:
@@ -424,7 +452,9 @@ def _layout(hf_config: transformers.PretrainedConfig) -> tuple[int, list[_LayerS
         idx += 1
     slots.append(_LayerSlot(f"{idx}.norm.", f"{arch.final_norm}."))
     idx += 1
-    if not tied:
+    if tied:
+        slots.append(_LayerSlot(f"{idx}.embedding.", f"{arch.lm_head}."))
+    else:
         slots.append(_LayerSlot(f"{idx}.head.", f"{arch.lm_head}."))
     idx += 1
     return idx, slots
@@ -435,16 +465,36 @@ def num_layers(hf_config: transformers.PretrainedConfig) -> int:
     return _layout(hf_config)[0]
 
 
-def tied_layer_indices(hf_config: transformers.PretrainedConfig) -> dict[str, tuple[int, ...]]:
-    """Pipeline-state prefix of each tied module -> the global layers that use it.
+def tied_copies(hf_config: transformers.PretrainedConfig) -> dict[str, str]:
+    """Pipeline name of each tied copy -> the name of the parameter it is a copy of.
 
-    Empty for an untied model; for a tied one ``{"tied_modules.embed.": (0, last)}``: a stage
-    holds (and reports in its state dict) the tied weight iff it owns one of these layers.
+    ``{"<last>.embedding.weight": "0.embedding.weight"}`` for a tied model, ``{}`` otherwise.
+    A copy is counted once (as its original) in norms and hashes.
     """
     if not _is_tied(hf_config):
         return {}
-    count = num_layers(hf_config)
-    return {_TIED_PREFIX: (0, count - 1)}
+    return {f"{num_layers(hf_config) - 1}.embedding.weight": "0.embedding.weight"}
+
+
+def drop_tied_aliases(
+    hf_state: Mapping[str, Tensor], hf_config: transformers.PretrainedConfig
+) -> dict[str, Tensor]:
+    """``hf_state`` without HF's tied alias (``lm_head.weight``), which must equal the embedding.
+
+    What remains has the names of the HF model's ``named_parameters()``: each tied weight
+    once, so hashes and norms count it once.
+    """
+    arch = _arch(hf_config)
+    alias = f"{arch.lm_head}.weight"
+    out = dict(hf_state)
+    if _is_tied(hf_config) and alias in out:
+        tensor = out.pop(alias)
+        embedding = out.get(f"{arch.tok_embed}.weight")
+        if embedding is not None and not torch.equal(embedding, tensor):
+            raise ValueError(
+                f"{alias} differs from {arch.tok_embed}.weight in a model with tied embeddings"
+            )
+    return out
 
 
 def _swap_prefix(name: str, pairs: list[tuple[str, str]], what: str) -> str:
@@ -472,22 +522,18 @@ def hf_to_layer_names(
 ) -> dict[str, Tensor]:
     """HF state-dict names -> pipeline state-dict names (same tensors, not copies).
 
-    For a tied model, HF's alias ``lm_head.weight`` is dropped (it must equal the input
-    embedding when both are given). Inverse of :func:`layer_names_to_hf`.
+    For a tied model HF's alias ``lm_head.weight`` maps to the LM head's copy; when the
+    alias is absent (``named_parameters()`` omits it) the copy is the input embedding.
+    Inverse of :func:`layer_names_to_hf`.
     """
     arch = _arch(hf_config)
     pairs = [(slot.hf_prefix, slot.pipe_prefix) for slot in _layout(hf_config)[1]]
-    out: dict[str, Tensor] = {}
-    alias = f"{arch.lm_head}.weight"
-    for name, tensor in hf_state.items():
-        if _is_tied(hf_config) and name == alias:
-            embedding = hf_state.get(f"{arch.tok_embed}.weight")
-            if embedding is not None and not torch.equal(embedding, tensor):
-                raise ValueError(
-                    f"{alias} differs from {arch.tok_embed}.weight in a model with tied embeddings"
-                )
-            continue
-        out[_swap_prefix(name, pairs, "Hugging Face")] = tensor
+    drop_tied_aliases(hf_state, hf_config)  # checks that a given alias equals the embedding
+    out = {_swap_prefix(name, pairs, "Hugging Face"): tensor for name, tensor in hf_state.items()}
+    embedding = hf_state.get(f"{arch.tok_embed}.weight")
+    for copy_name in tied_copies(hf_config):
+        if embedding is not None and copy_name not in out:
+            out[copy_name] = embedding
     return out
 
 
@@ -507,27 +553,14 @@ def build_layer_specs(
     arch = _arch(hf_config)
     source = WeightSource(hf_config, seed, pretrained_dir)
     specs: list[LayerSpec] = []
-    if _is_tied(hf_config):
-        specs.append(
-            TiedLayerSpec(TIED_KEY, TokenEmbeddingPipe, source, tied_weight_attr="embedding.weight")
-        )
-    else:
-        specs.append(LayerSpec(TokenEmbeddingPipe, source))
+    specs.append(LayerSpec(TokenEmbeddingPipe, source))
     if arch.pos_embed or arch.embed_dropout:
         specs.append(LayerSpec(EmbeddingPostPipe, source))
     for block_idx in range(num_blocks(hf_config)):
         specs.append(LayerSpec(TransformerBlockPipe, source, block_idx))
     specs.append(LayerSpec(FinalNormPipe, source))
     if _is_tied(hf_config):
-        specs.append(
-            TiedLayerSpec(
-                TIED_KEY,
-                TokenEmbeddingPipe,
-                source,
-                forward_fn=_tied_lm_head,
-                tied_weight_attr="embedding.weight",
-            )
-        )
+        specs.append(LayerSpec(TiedLMHeadPipe, source))
     else:
         specs.append(LayerSpec(LMHeadPipe, source))
     assert len(specs) == num_layers(hf_config)
@@ -621,10 +654,11 @@ def save_pretrained(
     temporary directory next to ``out_dir`` and renamed into place; an existing
     ``out_dir`` is replaced.
     """
-    hf_state = layer_names_to_hf(pipe_state, hf_config)
+    # The tied copy must equal the embedding (drop_tied_aliases checks), then counts once.
+    hf_state = drop_tied_aliases(layer_names_to_hf(pipe_state, hf_config), hf_config)
     config = copy.deepcopy(hf_config)
     with torch.random.fork_rng(devices=[]):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+        model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     expected = set(hf_to_layer_names(model.state_dict(), hf_config))
     given = set(pipe_state)
     if expected != given:

@@ -40,6 +40,17 @@ def pretrained_dir_of(model_spec: str) -> str | None:
     return None
 
 
+def quiet_libraries() -> None:
+    """Keep the terminal for Spotline's own lines: DeepSpeed and torch chatter goes to logs."""
+    import logging
+    import warnings
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    # DeepSpeed's p2p/broadcast ops on tensors that require grad: harmless, once per run.
+    warnings.filterwarnings("ignore", message=r"c10d::broadcast_: an autograd kernel")
+    warnings.filterwarnings("ignore", message=r"Converting a tensor with requires_grad")
+
+
 @dataclass(frozen=True)
 class WorkerIdentity:
     rank: int
@@ -90,6 +101,7 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
     """Train ``cfg`` in this process (one rank of the job); rank 0 returns the summary."""
     import os
 
+    quiet_libraries()
     sl = cfg.spotline
     ident = WorkerIdentity(rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     configure_process(
@@ -113,7 +125,9 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
         pretrained_dir=pretrained_dir_of(sl.model.name),
         activation_checkpoint_interval=sl.model.activation_checkpoint_interval,
     )
-    engine = build_engine(module, deepspeed_config_for(cfg.deepspeed, num_pipelines=cfg.num_pipelines))
+    engine = build_engine(
+        module, deepspeed_config_for(cfg.deepspeed, num_pipelines=cfg.num_pipelines)
+    )
     setup_s = time.perf_counter() - t_setup
 
     sampler = GlobalSampler(
@@ -124,7 +138,9 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
         seed=sl.training.seed,
     )
 
-    def get_batch(step: int, logical_worker: int, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_batch(
+        step: int, logical_worker: int, micro_batch: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return corpus.batch(sampler.indices(step, logical_worker, micro_batch))
 
     is_reporter = ident.rank == 0
@@ -144,7 +160,10 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
         engine.begin_step(seed=sl.training.seed, step=step, logical_worker=pipeline_id)
         loss = engine.train_batch(
             data_iter=step_batches(
-                get_batch, step=step, logical_worker=pipeline_id, num_micro_batches=cfg.num_micro_batches
+                get_batch,
+                step=step,
+                logical_worker=pipeline_id,
+                num_micro_batches=cfg.num_micro_batches,
             )
         )
         step_times.append(time.perf_counter() - t_step)
@@ -159,7 +178,9 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
     summary: dict[str, Any] | None = None
     if is_reporter:
         assert hf_params is not None
-        samples = sl.training.steps * cfg.micro_batch_size * cfg.num_micro_batches * cfg.num_pipelines
+        samples = (
+            sl.training.steps * cfg.micro_batch_size * cfg.num_micro_batches * cfg.num_pipelines
+        )
         summary = {
             "steps": sl.training.steps,
             "losses": losses,
@@ -177,7 +198,7 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "seed": sl.training.seed,
             "deterministic": sl.determinism.enabled,
             "redundancy": sl.redundancy.mode,
-            "param_sha256": param_sha256(hf_params),
+            "param_sha256": param_sha256(models.drop_tied_aliases(hf_params, hf_config)),
             "peak_rss_mib_per_rank": [float(p.item()) for p in peaks],
             "preemptions": 0,
             "recoveries": 0,
@@ -195,5 +216,7 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
     return summary
 
 
-def _pipeline_state_from_hf(hf_params: dict[str, torch.Tensor], hf_config: Any) -> dict[str, torch.Tensor]:
+def _pipeline_state_from_hf(
+    hf_params: dict[str, torch.Tensor], hf_config: Any
+) -> dict[str, torch.Tensor]:
     return models.hf_to_layer_names(hf_params, hf_config)

@@ -87,14 +87,30 @@ def cmd_train(args: argparse.Namespace) -> int:
     port = free_port()
     threads = cfg.spotline.determinism.intra_op_threads
     procs: list[subprocess.Popen[bytes]] = []
+    logs_dir = output / "logs"
+    logs_dir.mkdir(exist_ok=True)
     try:
         for rank in range(world):
+            # Each worker's output goes to its log; rank 0's stderr (progress, errors) also
+            # reaches the terminal.
+            log = open(logs_dir / f"worker-{rank}.log", "wb")  # noqa: SIM115 - closed by the child's exit
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "spotline.launch.worker", "--config", str(resolved), "--output", str(output)],
+                    [
+                        sys.executable,
+                        "-m",
+                        "spotline.launch.worker",
+                        "--config",
+                        str(resolved),
+                        "--output",
+                        str(output),
+                    ],
                     env=worker_env(rank, world, port, threads),
+                    stdout=log,
+                    stderr=None if rank == 0 else subprocess.STDOUT,
                 )
             )
+            log.close()
         codes = wait_all(procs)
     except KeyboardInterrupt:
         terminate(procs)
@@ -102,7 +118,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if any(c != 0 for c in codes):
         if all(c in (0, EXIT_USAGE) for c in codes):
             return EXIT_USAGE
-        print(f"spotline: error: worker exit codes {codes}; see the worker output above", file=sys.stderr)
+        print(
+            f"spotline: error: worker exit codes {codes}; see {logs_dir}/worker-*.log",
+            file=sys.stderr,
+        )
         return 1
     summary = json.loads((output / SUMMARY_NAME).read_text())
     print(format_summary(summary, output))

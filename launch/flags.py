@@ -28,13 +28,19 @@ FLAG_KEYS: dict[str, str] = {
 
 def add_run_flags(parser: argparse.ArgumentParser, *, with_workers: bool) -> None:
     if with_workers:
-        parser.add_argument("--workers", type=int, help="worker processes to start (a multiple of --stages)")
+        parser.add_argument(
+            "--workers", type=int, help="worker processes to start (a multiple of --stages)"
+        )
     parser.add_argument("--stages", type=int, help="pipeline stages (logical)")
     parser.add_argument("--steps", type=int, help="optimizer steps to train")
     parser.add_argument("--seed", type=int, help="seed of the run (data order, init, dropout)")
-    parser.add_argument("--model", help="a preset (gpt2-tiny, llama-tiny, ...) or a save_pretrained directory")
+    parser.add_argument(
+        "--model", help="a preset (gpt2-tiny, llama-tiny, ...) or a save_pretrained directory"
+    )
     parser.add_argument("--seq-len", type=int, help="tokens per training sequence")
-    parser.add_argument("--data", help="a .txt/.json/.jsonl file, a directory of them, or a saved dataset")
+    parser.add_argument(
+        "--data", help="a .txt/.json/.jsonl file, a directory of them, or a saved dataset"
+    )
     parser.add_argument("--tokenizer", help="a tokenizer directory (default: built-in byte-level)")
     parser.add_argument("--redundancy", help="off, lazy or eager (Bamboo redundant computation)")
     parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch")

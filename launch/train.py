@@ -22,10 +22,16 @@ from spotline.launch.worker import run
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="launch/train.py", description=__doc__.splitlines()[1])
-    parser.add_argument("--deepspeed_config", "--config", dest="config", help="DeepSpeed config JSON")
+    parser.add_argument(
+        "--deepspeed_config", "--config", dest="config", help="DeepSpeed config JSON"
+    )
     parser.add_argument("--output", default="runs/deepspeed-launcher", help="output directory")
-    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
-    parser.add_argument("--deepspeed", action="store_true", help="accepted for DeepSpeed compatibility")
+    parser.add_argument(
+        "--local_rank", type=int, default=None, help="set by the deepspeed launcher"
+    )
+    parser.add_argument(
+        "--deepspeed", action="store_true", help="accepted for DeepSpeed compatibility"
+    )
     add_run_flags(parser, with_workers=False)
     args = parser.parse_args(argv)
     overrides = overrides_from_args(args)

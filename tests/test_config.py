@@ -33,13 +33,25 @@ def test_default_file_equals_builtin_default() -> None:
 @pytest.mark.parametrize(
     ("raw", "needle"),
     [
-        ({"spotline": {"redundancy": {"mdoe": "eager"}}}, "'spotline.redundancy.mdoe' is unknown; expected one of: mode"),
+        (
+            {"spotline": {"redundancy": {"mdoe": "eager"}}},
+            "'spotline.redundancy.mdoe' is unknown; expected one of: mode",
+        ),
         ({"spotline": {"redundncy": {}}}, "'spotline.redundncy' is unknown"),
-        ({"spotline": {"topology": {"stages": "two"}}}, "'spotline.topology.stages' is \"two\"; expected an integer"),
+        (
+            {"spotline": {"topology": {"stages": "two"}}},
+            "'spotline.topology.stages' is \"two\"; expected an integer",
+        ),
         ({"spotline": {"topology": {"stages": True}}}, "expected an integer"),
         ({"spotline": {"redundancy": {"mode": "eagre"}}}, 'expected "off" or "lazy" or "eager"'),
-        ({"spotline": {"topology": {"workers": 3, "stages": 2}}}, "--workers 3 is not divisible by --stages 2"),
-        ({"spotline": {"training": {"steps": 0}}}, "'spotline.training.steps' is 0; expected a positive integer"),
+        (
+            {"spotline": {"topology": {"workers": 3, "stages": 2}}},
+            "--workers 3 is not divisible by --stages 2",
+        ),
+        (
+            {"spotline": {"training": {"steps": 0}}},
+            "'spotline.training.steps' is 0; expected a positive integer",
+        ),
         ({"train_batch_size": 7}, "'train_batch_size' is 7"),
         ({"elasticity": {"enabled": True}}, "spotline.elasticity"),
         ({"spotline": []}, "'spotline' is []; expected an object"),
@@ -54,7 +66,9 @@ def test_bad_config_is_one_clear_line(raw: dict, needle: str) -> None:
 
 
 def test_flags_override_the_file_through_the_same_parser() -> None:
-    cfg = with_overrides(load_config(None), {"spotline.topology.workers": 8, "spotline.redundancy.mode": "lazy"})
+    cfg = with_overrides(
+        load_config(None), {"spotline.topology.workers": 8, "spotline.redundancy.mode": "lazy"}
+    )
     assert cfg.num_workers == 8 and cfg.num_pipelines == 4
     assert cfg.spotline.redundancy.mode == "lazy"
     with pytest.raises(UserError, match="'spotline.redundancy.mode' is \"sometimes\""):

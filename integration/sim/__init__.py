@@ -1,0 +1,10 @@
+"""Cluster-scale simulator and cost model (pure Python, no torch or DeepSpeed).
+
+- :mod:`spotline.sim.calibration`: prices, delays and step times from a JSON table
+  (default ``spotline/assets/calibration-bamboo.json``).
+- :mod:`spotline.sim.engine`: replays a :class:`spotline.plan.traces.Trace` under the
+  ``spotline``, ``spotline-rigid``, ``checkpoint-restart`` and ``on-demand`` policies; every
+  placement decision comes from :mod:`spotline.plan.placement`.
+- :mod:`spotline.sim.sweep`: many seeds and preemption rates, optionally over processes.
+- :mod:`spotline.sim.bench`: the timed sweep benchmark (``python -m spotline.sim.bench``).
+"""

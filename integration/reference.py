@@ -1,0 +1,124 @@
+"""A single-process transformers reference for the pipeline's training math.
+
+The plain Hugging Face model, the same initial weights, the same batches from the global
+sampler, and the same arithmetic DeepSpeed's pipeline engine performs, written out in the
+order DeepSpeed performs it:
+
+- each micro-batch's loss is divided by the number of micro-batches before its backward
+  (DeepSpeed's ``_scale_loss_by_gas``), and gradients accumulate in micro-batch order;
+- with tied embeddings, the embedding's and the LM head's gradients accumulate separately
+  over the micro-batches (on the pipeline they live on different stages) and are added
+  once at the end (``ReduceTiedGrads``); so the reference unties the two parameters and
+  adds their gradients itself;
+- the data-parallel reduction sums the pipelines' gradients, then scales by 1/pipelines
+  (DeepSpeed's post-scaled all-reduce); the reported loss is the same mean;
+- torch's AdamW with the config's hyper-parameters.
+
+With dropout off and the determinism switch this is bitwise what the pipeline computes,
+so tests compare with ``torch.equal`` and exact hashes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from spotline import models
+from spotline.clipping import apply_clip, clip_coefficient, per_layer_sq_norms
+from spotline.config import RunConfig
+from spotline.plan.sampler import GlobalSampler
+from spotline.runtime import configure_process, param_sha256, seed_everything
+
+
+def train_reference(cfg: RunConfig) -> dict[str, Any]:
+    """Train ``cfg`` in this process; returns ``losses`` and ``param_sha256`` like summary.json."""
+    from spotline.trainer import prepare_inputs, pretrained_dir_of
+
+    sl = cfg.spotline
+    configure_process(
+        intra_op_threads=sl.determinism.intra_op_threads, deterministic=sl.determinism.enabled
+    )
+    seed_everything(sl.training.seed)
+    hf_config, corpus = prepare_inputs(cfg)
+    model = models.reference_model(hf_config, sl.training.seed, pretrained_dir_of(sl.model.name))
+    model.train()
+    hf_names = set(dict(model.named_parameters()))  # tied aliases appear once
+
+    embedding = model.get_input_embeddings().weight
+    head_module = model.get_output_embeddings()
+    tied = head_module is not None and head_module.weight is embedding
+    if tied:
+        head_module.weight = torch.nn.Parameter(embedding.detach().clone())
+    head = head_module.weight if head_module is not None else None
+
+    params = [p for p in model.parameters()]
+    opt_cfg = cfg.deepspeed["optimizer"]
+    assert opt_cfg["type"] == "AdamW", "the reference implements AdamW only"
+    hp = {k: v for k, v in opt_cfg["params"].items() if k != "torch_adam"}
+    optimizer = torch.optim.AdamW(
+        params,
+        lr=hp["lr"],
+        betas=tuple(hp["betas"]),
+        eps=hp["eps"],
+        weight_decay=hp["weight_decay"],
+    )
+
+    num_pipelines = cfg.num_pipelines
+    num_micro_batches = cfg.num_micro_batches
+    sampler = GlobalSampler(
+        num_samples=len(corpus),
+        num_logical_workers=num_pipelines,
+        micro_batch_size=cfg.micro_batch_size,
+        num_micro_batches=num_micro_batches,
+        seed=sl.training.seed,
+    )
+    # DeepSpeed's default is 1.0 when the key is absent.
+    max_norm = float(cfg.deepspeed.get("gradient_clipping", 1.0))
+    losses: list[float] = []
+    for step in range(sl.training.steps):
+        per_pipeline_grads: list[list[torch.Tensor]] = []
+        per_pipeline_loss: list[torch.Tensor] = []
+        for pipeline in range(num_pipelines):
+            optimizer.zero_grad(set_to_none=True)
+            total = None
+            for micro_batch in range(num_micro_batches):
+                input_ids, labels = corpus.batch(sampler.indices(step, pipeline, micro_batch))
+                logits = model(input_ids=input_ids).logits
+                loss = models.causal_lm_loss(logits, labels)
+                total = torch.zeros_like(loss) if total is None else total
+                total += loss.detach()
+                (loss / num_micro_batches).backward()
+            if tied:
+                assert head is not None and embedding.grad is not None and head.grad is not None
+                summed = embedding.grad + head.grad
+                embedding.grad.copy_(summed)
+                head.grad.copy_(summed)
+            per_pipeline_grads.append([p.grad.clone() for p in params])
+            assert total is not None
+            per_pipeline_loss.append(total / num_micro_batches)
+        for i, p in enumerate(params):
+            reduced = per_pipeline_grads[0][i]
+            for pipeline in range(1, num_pipelines):
+                reduced = reduced + per_pipeline_grads[pipeline][i]
+            p.grad = reduced.mul_(1.0 / num_pipelines)
+        loss_sum = per_pipeline_loss[0]
+        for pipeline in range(1, num_pipelines):
+            loss_sum = loss_sum + per_pipeline_loss[pipeline]
+        losses.append(float(loss_sum / num_pipelines if num_pipelines > 1 else loss_sum))
+        if max_norm > 0:
+            # The same placement-independent norm as the pipeline engine (spotline.clipping).
+            named_grads = models.hf_to_layer_names(
+                {n: p.grad for n, p in model.named_parameters() if n in hf_names}, hf_config
+            )
+            values = per_layer_sq_norms(
+                named_grads.items(),
+                num_layers=models.num_layers(hf_config),
+                owned_layers=range(models.num_layers(hf_config)),
+                skip=set(models.tied_copies(hf_config)),
+            )
+            apply_clip((p.grad for p in params), clip_coefficient(values, max_norm))
+        optimizer.step()
+
+    named = {k: v for k, v in model.named_parameters() if k in hf_names}
+    return {"losses": losses, "param_sha256": param_sha256(named), "parameters": named}

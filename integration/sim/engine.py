@@ -1,0 +1,644 @@
+"""Discrete-event cluster simulator: the same preemption trace under several policies.
+
+Policies (:data:`POLICIES`):
+
+``spotline``
+    Bamboo-style redundancy with elastic logical workers. Every placement decision is
+    :mod:`spotline.plan.placement`'s: a preemption calls ``on_failure(elastic=True)`` (a
+    pipeline with an unrecoverable stage is dissolved and the others keep training), then
+    ``rebalance``; an arrival calls ``on_arrival``. A change of running stages pauses
+    training for ``reconfigure_s``; nothing is redone (the replica holder replays the
+    in-flight step). A degraded placement (a worker running two stages) runs each step
+    ``degraded_slowdown`` times slower. Only a :class:`~spotline.plan.placement.FatalLoss`
+    (every pipeline broken) rolls back to the last checkpoint and pays
+    ``fatal_rendezvous_s + checkpoint_load_s``. Checkpoints every
+    ``spotline_checkpoint_interval_s`` of training until the first fatal loss; after k
+    fatal losses the interval adapts to Young/Daly with the observed fatal MTBF (now / k),
+    as a runtime that counts its fatal losses can (a fixed hourly checkpoint would make the
+    rigid variant redo up to an hour per fatal loss).
+``spotline-rigid``
+    The same without elastic logical workers (Bamboo's behaviour): any unrecoverable stage
+    is a fatal loss.
+``checkpoint-restart``
+    Whenever a node that runs a stage is preempted, every node restarts from the last
+    checkpoint (``fatal_rendezvous_s + checkpoint_load_s``, work since the checkpoint is
+    redone) on ``initial_placement`` of the ready nodes. Checkpoints every
+    ``sqrt(2 * checkpoint_save_s * MTBF)`` seconds of training (Young/Daly) where MTBF is the
+    replayed trace's duration over its number of preemption instants (or an interval given
+    in :class:`SimConfig`). Nodes that arrive while it runs join at the next checkpoint if
+    they make another pipeline (the checkpoint was just written, so nothing is redone).
+``on-demand``
+    ``num_stages * (num_nodes // num_stages)`` on-demand nodes, no preemptions, no
+    checkpoints, at the on-demand price.
+
+Common rules: a node added at t is usable at ``t + node_ready_s`` (a node preempted before
+that never joins); it is paid from t at the spot price until its removal or the end of the
+trace. Training starts (and restarts after waiting) with a ``fatal_rendezvous_s`` rendezvous
+once at least one pipeline's worth of nodes is ready; fewer ready nodes than stages means
+waiting. The global batch is fixed (``samples_per_step``), so fewer active pipelines make
+each step slower, not smaller. Preemption notices are not exploited by any policy (the
+same for all; conservative). Progress is counted in whole steps: a step commits when it
+ends. Conservation is asserted: no preempted node is placed, ``trained == committed +
+redone`` steps, and running + paused + checkpointing + waiting time == the duration.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from spotline.plan.placement import (
+    FailoverPlan,
+    FatalLoss,
+    LogicalTopology,
+    Placement,
+    initial_placement,
+    is_degraded,
+    on_arrival,
+    on_failure,
+    rebalance,
+)
+from spotline.plan.traces import Trace, TraceEvent
+from spotline.sim.calibration import Calibration, ModelCalibration
+
+PolicyName = Literal["spotline", "spotline-rigid", "checkpoint-restart", "on-demand"]
+POLICIES: tuple[PolicyName, ...] = ("spotline", "spotline-rigid", "checkpoint-restart", "on-demand")
+
+MIN_CHECKPOINT_INTERVAL_S = 1.0
+"""Checkpoint intervals from a rule are at least this (a free checkpoint would otherwise
+make the interval 0)."""
+
+_Status = Literal["waiting", "paused", "running", "checkpointing"]
+_PauseKind = Literal["restart", "reconfigure"]
+
+
+def young_daly_interval_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
+    """Young/Daly's optimal checkpoint interval: sqrt(2 * checkpoint_cost * MTBF)."""
+    if checkpoint_cost_s < 0 or mtbf_s <= 0:
+        raise ValueError("checkpoint_cost_s must be >= 0 and mtbf_s > 0")
+    return math.sqrt(2.0 * checkpoint_cost_s * mtbf_s)
+
+
+def trace_mtbf_s(trace: Trace) -> float:
+    """Mean time between preemptions of a trace: its duration over the number of distinct
+    instants at which nodes are removed (a burst of removals is one failure of the job);
+    the whole duration when nothing is removed."""
+    instants = {event.t_s for event in trace.events if event.kind == "remove"}
+    return trace.duration_s / max(1, len(instants)) if trace.duration_s > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulation set-up: the model's calibration, the cluster-wide calibration, the
+    number of nodes the job asks for (its logical topology is ``num_stages`` x
+    ``num_nodes // num_stages``), optional checkpoint intervals (None: the policy's rule),
+    and whether to record a timeline for plots (off for sweeps: it costs time)."""
+
+    calibration: Calibration
+    model: ModelCalibration
+    num_nodes: int
+    checkpoint_interval_s: float | None = None
+    spotline_checkpoint_interval_s: float | None = None
+    record_timeline: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < self.model.num_stages:
+            raise ValueError(
+                f"{self.num_nodes} nodes cannot hold one pipeline of model "
+                f"{self.model.name!r}, which has {self.model.num_stages} stages"
+            )
+        for interval in (self.checkpoint_interval_s, self.spotline_checkpoint_interval_s):
+            if interval is not None and not interval > 0:
+                raise ValueError(f"checkpoint intervals must be > 0, got {interval}")
+
+    @property
+    def topology(self) -> LogicalTopology:
+        """The job's fixed logical topology."""
+        return LogicalTopology(self.model.num_stages, self.num_nodes // self.model.num_stages)
+
+
+@dataclass(frozen=True)
+class TimelinePoint:
+    """The state from ``t_s`` on: training rate (0 when not training), committed samples so
+    far, ready nodes, and active pipelines (0 when none run)."""
+
+    t_s: float
+    samples_per_s: float
+    committed_samples: int
+    num_ready_nodes: int
+    num_active_pipelines: int
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """What one policy achieved on one trace. Times are seconds, money US dollars.
+
+    ``restart_s`` is time lost to restarts (checkpoint-restart restarts, Spotline's fatal
+    fallbacks, the first start); ``reconfigure_s`` Spotline's in-memory failovers and
+    rebalances; ``redone_samples`` work rolled back to a checkpoint and done again;
+    ``degraded_s`` training time with a worker running two stages.
+    """
+
+    policy: PolicyName
+    duration_s: float
+    committed_samples: int
+    cost_usd: float
+    running_s: float
+    restart_s: float
+    reconfigure_s: float
+    checkpoint_s: float
+    waiting_s: float
+    degraded_s: float
+    redone_samples: int
+    num_fatal_failures: int
+    num_restarts: int
+    num_failovers: int
+    num_preemptions: int
+    checkpoint_interval_s: float
+    timeline: tuple[TimelinePoint, ...] = ()
+
+    @property
+    def samples_per_s(self) -> float:
+        """Committed samples over the whole duration."""
+        return self.committed_samples / self.duration_s if self.duration_s > 0 else 0.0
+
+    @property
+    def cost_per_hour(self) -> float:
+        """Average spend per hour."""
+        return self.cost_usd / (self.duration_s / 3600.0) if self.duration_s > 0 else 0.0
+
+    @property
+    def samples_per_usd(self) -> float:
+        """Value: committed samples per dollar."""
+        return self.committed_samples / self.cost_usd if self.cost_usd > 0 else 0.0
+
+    def summary(self) -> dict[str, float | int | str]:
+        """The scalar results as a JSON-ready dict (the timeline is left out)."""
+        return {
+            "policy": self.policy,
+            "samples_per_s": self.samples_per_s,
+            "cost_per_hour": self.cost_per_hour,
+            "samples_per_usd": self.samples_per_usd,
+            "committed_samples": self.committed_samples,
+            "cost_usd": self.cost_usd,
+            "duration_s": self.duration_s,
+            "running_s": self.running_s,
+            "restart_s": self.restart_s,
+            "reconfigure_s": self.reconfigure_s,
+            "checkpoint_s": self.checkpoint_s,
+            "waiting_s": self.waiting_s,
+            "degraded_s": self.degraded_s,
+            "redone_samples": self.redone_samples,
+            "num_fatal_failures": self.num_fatal_failures,
+            "num_restarts": self.num_restarts,
+            "num_failovers": self.num_failovers,
+            "num_preemptions": self.num_preemptions,
+            "checkpoint_interval_s": self.checkpoint_interval_s,
+        }
+
+
+def membership_batches(
+    trace: Trace, node_ready_s: float
+) -> list[tuple[float, list[str], list[str]]]:
+    """The trace as the job sees it: ``(t_s, removed, ready)`` batches in time order.
+
+    A node added at t becomes ready at ``t + node_ready_s`` unless it is removed first (then
+    its removal is invisible to the job, except in the bill); within one instant removals
+    come before arrivals. Only batches before the end of the trace are kept.
+    """
+    removed_at: dict[tuple[str, int], float] = {}
+    occurrence: dict[str, int] = {}
+    adds: list[tuple[float, str, int]] = []
+    for event in trace.events:
+        if event.kind == "add":
+            occurrence[event.node] = occurrence.get(event.node, -1) + 1
+            adds.append((event.t_s, event.node, occurrence[event.node]))
+        else:
+            removed_at[(event.node, occurrence[event.node])] = event.t_s
+    # (time, 0 = remove / 1 = ready, sequence, node): sorting gives removals first.
+    items: list[tuple[float, int, int, str]] = []
+    for sequence, (t_s, node, nth) in enumerate(adds):
+        ready_t = t_s + node_ready_s
+        removed_t = removed_at.get((node, nth), math.inf)
+        if ready_t < removed_t and ready_t < trace.duration_s:
+            items.append((ready_t, 1, sequence, node))
+            if removed_t < trace.duration_s:
+                items.append((removed_t, 0, sequence, node))
+    items.sort()
+    batches: list[tuple[float, list[str], list[str]]] = []
+    for t_s, kind, _, node in items:
+        if not batches or batches[-1][0] != t_s:
+            batches.append((t_s, [], []))
+        (batches[-1][2] if kind else batches[-1][1]).append(node)
+    return batches
+
+
+def spot_cost_usd(trace: Trace, price_per_node_hour: float) -> float:
+    """What the trace's nodes cost: every node from its add to its removal (or the end)."""
+    added: dict[str, float] = {}
+    node_seconds = 0.0
+    for event in trace.events:
+        if event.kind == "add":
+            added[event.node] = event.t_s
+        else:
+            node_seconds += event.t_s - added.pop(event.node)
+    node_seconds += sum(trace.duration_s - t_s for t_s in added.values())
+    cost_usd: float = node_seconds / 3600.0 * price_per_node_hour
+    return cost_usd
+
+
+class _Run:
+    """The training state machine shared by the policies: time buckets, the step ledger and
+    the checkpoint timer. Policies drive it through pause/rollback/set_rate."""
+
+    def __init__(self, config: SimConfig, checkpoint_interval_s: float) -> None:
+        self.config = config
+        self.samples_per_step = config.model.samples_per_step
+        self.checkpoint_save_s = config.model.checkpoint_save_s
+        self.interval_s = checkpoint_interval_s
+        self.now = 0.0
+        self.status: _Status = "waiting"
+        self.pause_end = 0.0
+        self.pause_kind: _PauseKind = "restart"
+        self.checkpoint_end = 0.0
+        self.pending_checkpoint_steps = 0
+        self.step_time_s = math.inf
+        self.degraded = False
+        self.num_active_pipelines = 0
+        self.progress = 0.0
+        self.committed_steps = 0
+        self.trained_steps = 0
+        self.redone_steps = 0
+        self.checkpoint_steps = 0
+        self.since_checkpoint_s = 0.0
+        self.started = False
+        self.running_s = 0.0
+        self.degraded_s = 0.0
+        self.restart_s = 0.0
+        self.reconfigure_s = 0.0
+        self.checkpoint_s = 0.0
+        self.waiting_s = 0.0
+        self.num_ready = 0
+        self.timeline: list[TimelinePoint] | None = [] if config.record_timeline else None
+        self.on_checkpoint: Callable[[], None] | None = None
+
+    # -- bookkeeping -------------------------------------------------------------------
+    def record(self) -> None:
+        if self.timeline is None:
+            return
+        rate = self.samples_per_step / self.step_time_s if self.status == "running" else 0.0
+        point = TimelinePoint(
+            self.now,
+            rate,
+            self.committed_steps * self.samples_per_step,
+            self.num_ready,
+            self.num_active_pipelines if self.status != "waiting" else 0,
+        )
+        if self.timeline and self.timeline[-1].t_s == self.now:
+            self.timeline[-1] = point
+        else:
+            self.timeline.append(point)
+
+    def _train(self, duration_s: float) -> None:
+        self.running_s += duration_s
+        self.since_checkpoint_s += duration_s
+        if self.degraded:
+            self.degraded_s += duration_s
+        self.progress += duration_s / self.step_time_s
+        whole = int(self.progress)
+        if whole:
+            self.committed_steps += whole
+            self.trained_steps += whole
+            self.progress -= whole
+
+    def advance(self, t_s: float) -> None:
+        """Run the state machine up to ``t_s``, calling ``on_checkpoint`` at the moment each
+        checkpoint completes (the checkpoint-restart policy grows the job there)."""
+        while self.now < t_s:
+            status = self.status
+            if status == "running":
+                due = self.now + (self.interval_s - self.since_checkpoint_s)
+                if due <= t_s:
+                    self._train(max(0.0, due - self.now))
+                    self.now = due
+                    self.status = "checkpointing"
+                    self.checkpoint_end = due + self.checkpoint_save_s
+                    self.pending_checkpoint_steps = self.committed_steps
+                    self.record()
+                else:
+                    self._train(t_s - self.now)
+                    self.now = t_s
+            elif status == "checkpointing":
+                end = min(t_s, self.checkpoint_end)
+                self.checkpoint_s += end - self.now
+                self.now = end
+                if end == self.checkpoint_end:
+                    self.checkpoint_steps = self.pending_checkpoint_steps
+                    self.since_checkpoint_s = 0.0
+                    self.status = "running"
+                    self.record()
+                    if self.on_checkpoint is not None:
+                        self.on_checkpoint()
+            elif status == "paused":
+                end = min(t_s, self.pause_end)
+                if self.pause_kind == "restart":
+                    self.restart_s += end - self.now
+                else:
+                    self.reconfigure_s += end - self.now
+                self.now = end
+                if end == self.pause_end:
+                    self.status = "running"
+                    self.record()
+            else:
+                self.waiting_s += t_s - self.now
+                self.now = t_s
+
+    # -- transitions driven by the policies --------------------------------------------
+    def set_placement(self, placement: Placement | None) -> None:
+        """Adopt the step time of a placement (None: waiting for workers)."""
+        if placement is None:
+            self.status = "waiting"
+            self.num_active_pipelines = 0
+            self.record()
+            return
+        self.num_active_pipelines = placement.num_active_pipelines
+        self.degraded = is_degraded(placement)
+        self.step_time_s = self.config.model.step_time_s(self.num_active_pipelines, self.degraded)
+        self.record()
+
+    def pause(self, kind: _PauseKind, duration_s: float) -> None:
+        """Stop training for ``duration_s`` from now (a checkpoint being written is lost;
+        a pause already running is extended, and a restart outranks a reconfiguration)."""
+        end = self.now + duration_s
+        if self.status == "paused":
+            if kind == "restart":
+                self.pause_kind = "restart"
+            self.pause_end = max(self.pause_end, end)
+        else:
+            self.status = "paused"
+            self.pause_kind = kind
+            self.pause_end = end
+        self.record()
+
+    def rollback(self) -> None:
+        """Return to the last checkpoint: the steps since then are redone later."""
+        self.redone_steps += self.committed_steps - self.checkpoint_steps
+        self.committed_steps = self.checkpoint_steps
+        self.progress = 0.0
+        self.since_checkpoint_s = 0.0
+        self.record()
+
+    def start_cost_s(self) -> float:
+        """The pause of a (re)start: rendezvous, plus loading a checkpoint after the first."""
+        cost: float = self.config.calibration.fatal_rendezvous_s
+        if self.started:
+            cost += self.config.model.checkpoint_load_s
+        self.started = True
+        return cost
+
+    def check(
+        self, placement: Placement | None, removed: Sequence[str], arrived: Sequence[str]
+    ) -> None:
+        """Conservation after a batch: no preempted node is placed (checked for the nodes
+        just removed; the placement only ever gains ready nodes, so by induction no
+        preempted node is placed at all) and the step ledger balances."""
+        if placement is not None:
+            assert not any(placement.has_worker(node) for node in removed), (
+                "a node is both preempted and placed"
+            )
+        assert not set(removed) & set(arrived), "a node is both preempted and arriving"
+        assert self.trained_steps == self.committed_steps + self.redone_steps
+        assert self.checkpoint_steps <= self.committed_steps
+
+
+def _finish(
+    run: _Run,
+    policy: PolicyName,
+    duration_s: float,
+    cost_usd: float,
+    counters: tuple[int, int, int, int],
+) -> PolicyResult:
+    run.advance(duration_s)
+    num_fatal, num_restarts, num_failovers, num_preemptions = counters
+    accounted = run.running_s + run.restart_s + run.reconfigure_s + run.checkpoint_s + run.waiting_s
+    assert abs(accounted - duration_s) <= 1e-6 * max(1.0, duration_s), (accounted, duration_s)
+    assert run.trained_steps == run.committed_steps + run.redone_steps
+    return PolicyResult(
+        policy=policy,
+        duration_s=duration_s,
+        committed_samples=run.committed_steps * run.samples_per_step,
+        cost_usd=cost_usd,
+        running_s=run.running_s,
+        restart_s=run.restart_s,
+        reconfigure_s=run.reconfigure_s,
+        checkpoint_s=run.checkpoint_s,
+        waiting_s=run.waiting_s,
+        degraded_s=run.degraded_s,
+        redone_samples=run.redone_steps * run.samples_per_step,
+        num_fatal_failures=num_fatal,
+        num_restarts=num_restarts,
+        num_failovers=num_failovers,
+        num_preemptions=num_preemptions,
+        checkpoint_interval_s=run.interval_s,
+        timeline=tuple(run.timeline) if run.timeline is not None else (),
+    )
+
+
+def _simulate_spotline(
+    trace: Trace,
+    batches: Sequence[tuple[float, list[str], list[str]]],
+    config: SimConfig,
+    *,
+    elastic: bool,
+    cost_usd: float,
+) -> PolicyResult:
+    interval = config.spotline_checkpoint_interval_s
+    if interval is None:
+        interval = config.calibration.spotline_checkpoint_interval_s
+    run = _Run(config, interval)
+    topology = config.topology
+    num_stages = topology.num_stages
+    reconfigure_s = config.calibration.reconfigure_s
+    ready: dict[str, None] = {}  # insertion order = the order nodes became ready
+    placement: Placement | None = None
+    num_fatal = num_failovers = num_preemptions = num_restarts = 0
+    for t_s, removed, arrived in batches:
+        run.advance(t_s)
+        for node in removed:
+            del ready[node]
+        run.num_ready = len(ready)
+        if placement is not None and removed:
+            result = on_failure(placement, removed, elastic=elastic)
+            if isinstance(result, FatalLoss):
+                num_fatal += 1
+                num_preemptions += 1
+                run.rollback()
+                run.interval_s = max(
+                    MIN_CHECKPOINT_INTERVAL_S,
+                    young_daly_interval_s(
+                        config.model.checkpoint_save_s, max(run.now, 1.0) / num_fatal
+                    ),
+                )
+                placement = None
+                if len(ready) >= num_stages:
+                    placement = initial_placement(topology, list(ready))
+                    num_restarts += 1
+                    run.pause("restart", run.start_cost_s())
+                run.set_placement(placement)
+            else:
+                placement = result.placement
+                if result.owners_lost:
+                    num_failovers += 1
+                    num_preemptions += 1
+                    if placement.standby:
+                        placement = rebalance(placement).placement
+                    run.pause("reconfigure", reconfigure_s)
+                    run.set_placement(placement)
+        if arrived:
+            for node in arrived:
+                ready[node] = None
+            run.num_ready = len(ready)
+            if placement is None:
+                if len(ready) >= num_stages:
+                    placement = initial_placement(topology, list(ready))
+                    num_restarts += 1
+                    run.pause("restart", run.start_cost_s())
+                    run.set_placement(placement)
+            else:
+                plan = on_arrival(placement, arrived)
+                placement = plan.placement
+                if plan.changed:
+                    run.pause("reconfigure", reconfigure_s)
+                    run.set_placement(placement)
+        run.check(placement, removed, arrived)
+    policy: PolicyName = "spotline" if elastic else "spotline-rigid"
+    return _finish(
+        run,
+        policy,
+        trace.duration_s,
+        cost_usd,
+        (num_fatal, num_restarts, num_failovers, num_preemptions),
+    )
+
+
+def _simulate_checkpoint_restart(
+    trace: Trace,
+    batches: Sequence[tuple[float, list[str], list[str]]],
+    config: SimConfig,
+    *,
+    interval_s: float,
+    cost_usd: float,
+    policy: PolicyName,
+) -> PolicyResult:
+    run = _Run(config, interval_s)
+    topology = config.topology
+    num_stages = topology.num_stages
+    ready: dict[str, None] = {}
+    placement: Placement | None = None
+    num_restarts = num_preemptions = 0
+
+    def restart() -> None:
+        nonlocal placement, num_restarts
+        placement = None
+        if len(ready) >= num_stages:
+            placement = initial_placement(topology, list(ready))
+            num_restarts += 1
+            run.pause("restart", run.start_cost_s())
+        run.set_placement(placement)
+
+    def grow_at_checkpoint() -> None:
+        # The checkpoint was just written: growing redoes nothing, only the restart costs.
+        if placement is not None and len(ready) // num_stages > placement.num_active_pipelines:
+            if placement.num_active_pipelines < topology.num_pipelines:
+                restart()
+
+    run.on_checkpoint = grow_at_checkpoint
+    for t_s, removed, arrived in batches:
+        run.advance(t_s)
+        for node in removed:
+            del ready[node]
+        run.num_ready = len(ready)
+        if removed and placement is not None:
+            if any(placement.stages_of(node) for node in removed):
+                num_preemptions += 1
+                run.rollback()
+                restart()
+            else:
+                # Only idle nodes went: the running job does not notice.
+                plan = on_failure(placement, removed)
+                assert isinstance(plan, FailoverPlan) and not plan.owners_lost
+                placement = plan.placement
+        if arrived:
+            for node in arrived:
+                ready[node] = None
+            run.num_ready = len(ready)
+            if placement is None:
+                restart()
+        run.check(placement, removed, arrived)
+    return _finish(run, policy, trace.duration_s, cost_usd, (0, num_restarts, 0, num_preemptions))
+
+
+def on_demand_trace(config: SimConfig, duration_s: float) -> Trace:
+    """The on-demand baseline's cluster: one whole-pipelines' worth of nodes, all added at
+    time 0 and never removed."""
+    num_nodes = config.topology.num_slots
+    return Trace(
+        tuple(TraceEvent(0.0, "add", f"od{i}") for i in range(num_nodes)),
+        duration_s,
+        f"on-demand: {num_nodes} nodes",
+    )
+
+
+def simulate(
+    trace: Trace,
+    policy: PolicyName,
+    config: SimConfig,
+    *,
+    batches: Sequence[tuple[float, list[str], list[str]]] | None = None,
+) -> PolicyResult:
+    """Replay ``trace`` under ``policy`` (rules in the module docstring).
+
+    ``batches`` may pass :func:`membership_batches` of the trace, computed once for several
+    policies. ``on-demand`` ignores the trace's nodes and uses only its duration.
+    """
+    calibration = config.calibration
+    if policy == "on-demand":
+        od_trace = on_demand_trace(config, trace.duration_s)
+        return _simulate_checkpoint_restart(
+            od_trace,
+            membership_batches(od_trace, calibration.node_ready_s),
+            config,
+            interval_s=math.inf,
+            cost_usd=spot_cost_usd(od_trace, calibration.on_demand_price_per_node_hour),
+            policy="on-demand",
+        )
+    if batches is None:
+        batches = membership_batches(trace, calibration.node_ready_s)
+    cost_usd = spot_cost_usd(trace, calibration.spot_price_per_node_hour)
+    if policy == "checkpoint-restart":
+        interval = config.checkpoint_interval_s
+        if interval is None:
+            interval = young_daly_interval_s(config.model.checkpoint_save_s, trace_mtbf_s(trace))
+        return _simulate_checkpoint_restart(
+            trace,
+            batches,
+            config,
+            interval_s=max(interval, MIN_CHECKPOINT_INTERVAL_S),
+            cost_usd=cost_usd,
+            policy="checkpoint-restart",
+        )
+    if policy in ("spotline", "spotline-rigid"):
+        return _simulate_spotline(
+            trace, batches, config, elastic=policy == "spotline", cost_usd=cost_usd
+        )
+    raise ValueError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)}")
+
+
+def simulate_policies(
+    trace: Trace, policies: Sequence[PolicyName], config: SimConfig
+) -> dict[PolicyName, PolicyResult]:
+    """Run several policies on the same trace (the membership timeline computed once)."""
+    batches = membership_batches(trace, config.calibration.node_ready_s)
+    return {policy: simulate(trace, policy, config, batches=batches) for policy in policies}

@@ -1,0 +1,77 @@
+"""Shared helpers for tests that start real Spotline processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# A tiny GPT-2 with dropout off: the computation a single-process transformers model can
+# reproduce exactly.
+NO_DROPOUT = {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
+
+
+def small_config(**spotline_sections: Any) -> dict[str, Any]:
+    """A fast config: 2 micro-batches of 4 sequences per pipeline, 4 steps, wandb off."""
+    spotline: dict[str, Any] = {
+        "model": {"name": "gpt2-tiny"},
+        "training": {"steps": 4, "seed": 7},
+        "tracking": {"wandb": "disabled"},
+        "determinism": {"enabled": True},
+    }
+    for key, value in spotline_sections.items():
+        spotline[key] = {**spotline.get(key, {}), **value}
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 2,
+        "spotline": spotline,
+    }
+
+
+def write_config(path: Path, config: dict[str, Any]) -> Path:
+    path.write_text(json.dumps(config))
+    return path
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(WANDB_MODE="offline", WANDB_SILENT="true", OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    return env
+
+
+def run_spotline(args: list[str], *, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    """Run the ``spotline`` command; the timeout bounds the test, the launcher reaps workers."""
+    return subprocess.run(
+        [sys.executable, "-m", "spotline.launch.cli", *args],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def read_summary(output: Path) -> dict[str, Any]:
+    return json.loads((output / "summary.json").read_text())
+
+
+@pytest.fixture
+def spotline_train(tmp_path: Path):
+    """``spotline_train(config, *flags) -> summary``: a successful run's summary.json."""
+
+    def run(config: dict[str, Any], *flags: str, name: str = "run") -> dict[str, Any]:
+        cfg_path = write_config(tmp_path / f"{name}.json", config)
+        output = tmp_path / name
+        proc = run_spotline(["train", "--config", str(cfg_path), "--output", str(output), *flags])
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return read_summary(output)
+
+    return run

@@ -1,0 +1,68 @@
+"""User mistakes: one clear line on stderr, exit code 2, no summary.json that looks finished."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import run_spotline, small_config, write_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _check(proc, output: Path, *needles: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("spotline: error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+    assert not (output / "summary.json").exists()
+
+
+def test_missing_model_directory(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = run_spotline(["train", "--model", str(tmp_path / "no-such-model"), "--output", str(out)])
+    _check(proc, out, "no-such-model", "save_pretrained")
+
+
+def test_corpus_too_small_for_one_batch(tmp_path: Path) -> None:
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("just a few words\n")
+    out = tmp_path / "out"
+    proc = run_spotline(["train", "--data", str(corpus), "--output", str(out)])
+    _check(proc, out, "tiny.txt", "sequences")
+
+
+def test_config_key_typo(tmp_path: Path) -> None:
+    config = small_config()
+    config["spotline"]["redundancy"] = {"mdoe": "eager"}
+    out = tmp_path / "out"
+    proc = run_spotline(
+        ["train", "--config", str(write_config(tmp_path / "c.json", config)), "--output", str(out)]
+    )
+    _check(proc, out, "spotline.redundancy.mdoe", "mode")
+
+
+def test_more_stages_than_layers(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = run_spotline(["train", "--stages", "8", "--workers", "8", "--output", str(out)])
+    _check(proc, out, "--stages 8", "4 transformer blocks")
+
+
+def test_workers_not_divisible_by_stages(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = run_spotline(["train", "--workers", "3", "--stages", "2", "--output", str(out)])
+    _check(proc, out, "--workers 3", "--stages 2")
+
+
+def test_rejected_run_leaves_the_output_directory_alone(tmp_path: Path) -> None:
+    """Validation happens before anything is written: an earlier run's files stay as they were."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "summary.json").write_text('{"earlier": true}')
+    proc = run_spotline(["train", "--workers", "3", "--stages", "2", "--output", str(out)])
+    assert proc.returncode == 2
+    assert (out / "summary.json").read_text() == '{"earlier": true}'
+    assert sorted(p.name for p in out.iterdir()) == ["summary.json"]

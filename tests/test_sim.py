@@ -1,0 +1,191 @@
+"""Cluster simulator (spotline.sim) and the `spotline simulate` entry point."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from spotline.launch.simulate import main as simulate_main
+from spotline.plan.traces import Trace, TraceEvent, load_trace, resize_trace, synthetic_trace
+from spotline.sim.calibration import load_calibration
+from spotline.sim.engine import (
+    POLICIES,
+    SimConfig,
+    membership_batches,
+    simulate,
+    simulate_policies,
+    young_daly_interval_s,
+)
+
+SHARED_TRACES = Path(os.environ.get("SPOTLINE_TRACES", "/work/shared/traces"))
+
+TOY = {
+    "spot_price_per_node_hour": 1.0,
+    "on_demand_price_per_node_hour": 3.0,
+    "node_ready_s": 45.0,
+    "fatal_rendezvous_s": 30.0,
+    "reconfigure_s": 20.0,
+    "degraded_slowdown": 1.5,
+    "spotline_checkpoint_interval_s": 600.0,
+    "models": {
+        "toy": {
+            "num_stages": 2,
+            "samples_per_step": 10,
+            "checkpoint_save_s": 10.0,
+            "checkpoint_load_s": 5.0,
+            "step_times": [
+                {"num_stages": 2, "num_pipelines": 1, "degraded": False, "step_time_s": 2.0},
+                {"num_stages": 2, "num_pipelines": 2, "degraded": False, "step_time_s": 1.25},
+            ],
+        }
+    },
+}
+
+
+@pytest.fixture()
+def toy_config(tmp_path: Path) -> SimConfig:
+    path = tmp_path / "toy.json"
+    path.write_text(json.dumps(TOY))
+    calibration = load_calibration(path)
+    return SimConfig(calibration, calibration.model("toy"), num_nodes=4)
+
+
+def test_young_daly_interval() -> None:
+    assert young_daly_interval_s(2.0, 4.0) == 4.0
+    assert young_daly_interval_s(15.0, 600.0) == math.sqrt(18000.0)
+    with pytest.raises(ValueError):
+        young_daly_interval_s(1.0, 0.0)
+
+
+def test_default_calibration_step_times() -> None:
+    calibration = load_calibration()
+    gpt2 = calibration.model("gpt2")
+    assert gpt2.step_time_s(2, False) == 4.2  # a table row wins
+    assert gpt2.step_time_s(2, True) == 4.2 * 1.5
+    intercept, slope = gpt2.fit
+    assert gpt2.step_time_s(8, False) == intercept + slope / 8
+    assert calibration.spot_price_per_node_hour == 0.91
+    assert calibration.on_demand_price_per_node_hour == 3.06
+
+
+def test_on_demand_baseline_exact(toy_config: SimConfig) -> None:
+    trace = Trace((), 3600.0, "empty")
+    result = simulate(trace, "on-demand", toy_config)
+    # 4 nodes (2 stages x 2 pipelines) ready at 45 s, a 30 s rendezvous, then 1.25 s steps:
+    # (3600 - 75) / 1.25 = 2820 steps of 10 samples. 4 nodes x $3/h x 1 h = $12.
+    assert result.committed_samples == 28200
+    assert result.cost_usd == 12.0
+    assert result.samples_per_s == 28200 / 3600
+    assert result.samples_per_usd == 2350.0
+    assert result.cost_per_hour == 12.0
+    assert (result.restart_s, result.waiting_s, result.running_s) == (30.0, 45.0, 3525.0)
+    assert result.redone_samples == 0 and result.num_fatal_failures == 0
+
+
+def test_checkpoint_restart_redoes_work_since_the_checkpoint(toy_config: SimConfig) -> None:
+    events = tuple(TraceEvent(0.0, "add", f"n{i}") for i in range(4)) + (
+        TraceEvent(1000.0, "remove", "n0"),
+    )
+    trace = Trace(events, 2000.0)
+    config = SimConfig(toy_config.calibration, toy_config.model, 4, checkpoint_interval_s=500.0)
+    result = simulate(trace, "checkpoint-restart", config)
+    # Training from 75 s; checkpoint at 575 s (400 steps) written until 585 s; preempted at
+    # 1000 s: 332 steps since (415 s / 1.25) are redone.
+    assert result.redone_samples == 3320
+    assert result.num_preemptions == 1
+    spot = simulate(trace, "spotline", config)
+    assert spot.redone_samples == 0  # the replica holder takes stage 0 over in memory
+    assert spot.num_failovers == 1 and spot.num_fatal_failures == 0
+    assert spot.degraded_s > 0
+
+
+def test_conservation_on_a_busy_trace(toy_config: SimConfig) -> None:
+    config = SimConfig(toy_config.calibration, toy_config.model, 8)
+    trace = synthetic_trace(8, 2.0, 6 * 3600.0, seed=5, replace_after_s=30.0)
+    batches = membership_batches(trace, config.calibration.node_ready_s)
+    ready: set[str] = set()
+    for _, removed, arrived in batches:
+        assert set(removed) <= ready  # only ready nodes are ever removed from the job
+        ready -= set(removed)
+        assert not set(arrived) & ready
+        ready |= set(arrived)
+    results = simulate_policies(trace, POLICIES, config)  # internal assertions run too
+    for result in results.values():
+        accounted = (
+            result.running_s
+            + result.restart_s
+            + result.reconfigure_s
+            + result.checkpoint_s
+            + result.waiting_s
+        )
+        assert accounted == pytest.approx(result.duration_s)
+        assert result.committed_samples % 10 == 0 and result.redone_samples % 10 == 0
+    assert results["spotline"].num_failovers > 0
+    assert results["checkpoint-restart"].redone_samples > 0
+    again = simulate_policies(trace, POLICIES, config)
+    assert {p: r.summary() for p, r in again.items()} == {
+        p: r.summary() for p, r in results.items()
+    }
+
+
+@pytest.mark.skipif(not (SHARED_TRACES / "p3-trace.csv").exists(), reason="no p3 trace")
+def test_spotline_beats_checkpoint_restart_on_p3_at_64_nodes() -> None:
+    calibration = load_calibration()
+    config = SimConfig(calibration, calibration.model("gpt2"), 64)
+    trace = resize_trace(load_trace(SHARED_TRACES / "p3-trace.csv"), 64)
+    results = simulate_policies(trace, ("spotline", "checkpoint-restart"), config)
+    assert results["spotline"].samples_per_s > results["checkpoint-restart"].samples_per_s
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = simulate_main(args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--trace", "missing.csv", "--nodes", "16"],
+        ["--trace", "BAD", "--nodes", "16"],
+        ["--preempt-rate", "0.1", "--nodes", "0"],
+        ["--preempt-rate", "0.1", "--nodes", "4"],  # fewer than gpt2's 8 stages
+        ["--preempt-rate", "0.1", "--nodes", "16", "--policies", "magic"],
+        ["--sweep", "0.1,abc", "--nodes", "16"],
+        ["--preempt-rate", "0.1", "--nodes", "16", "--model", "nope"],
+        ["--nodes", "16"],
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(
+    args: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0,add,a\n1,launch,a\n")
+    args = [
+        str(bad) if a == "BAD" else str(tmp_path / a) if a == "missing.csv" else a for a in args
+    ]
+    output = tmp_path / "out"
+    code, _, err = run_cli([*args, "--output", str(output)], capsys)
+    assert code == 2
+    assert err.startswith("spotline: error: ") and err.count("\n") == 1
+    assert not (output / "results.json").exists()
+
+
+def test_cli_writes_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.csv"
+    lines = [f"0,add,n{i}" for i in range(10)] + ["600000,remove,n3", "1200000,add,n10"]
+    trace.write_text("\n".join(lines) + "\n")
+    output = tmp_path / "out"
+    code, out, _ = run_cli(
+        ["--trace", str(trace), "--nodes", "8", "--output", str(output), "--no-progress"], capsys
+    )
+    assert code == 0
+    document = json.loads((output / "results.json").read_text())
+    assert sorted(document["results"]) == sorted(POLICIES)
+    assert "spot_price_per_node_hour" in document["assumptions"]
+    assert (output / "results.csv").exists() and (output / "timeline.png").exists()
+    assert "Assumptions:" in out and "spotline" in out
