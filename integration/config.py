@@ -71,6 +71,9 @@ class RedundancySection:
 
     mode: RedundancyMode = "off"
     replica_device: ReplicaDevice = "host"
+    # Compare every replica with its owner (digests of parameters and optimizer state)
+    # after every step: a correctness check that costs one small all-gather per step.
+    verify_replicas: bool = False
 
 
 @dataclass(frozen=True)

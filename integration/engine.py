@@ -222,6 +222,7 @@ def build_engine(
     module: PipelineModule,
     ds_config: dict[str, Any],
     engine_cls: type[PipelineEngine] = SpotlinePipelineEngine,
+    **engine_kwargs: Any,
 ) -> PipelineEngine:
     """Construct ``engine_cls`` exactly as ``deepspeed.initialize`` constructs its pipeline engine."""
     mpu = module.mpu()
@@ -239,6 +240,7 @@ def build_engine(
         collate_fn=None,
         config=ds_config,
         config_class=config_class,
+        **engine_kwargs,
     )
     return engine
 

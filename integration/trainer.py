@@ -19,8 +19,9 @@ import torch.distributed as dist
 from spotline import data as sl_data
 from spotline import models
 from spotline.config import RunConfig
-from spotline.engine import build_engine, deepspeed_config_for, step_batches
+from spotline.engine import Batch, build_engine, deepspeed_config_for, step_batches
 from spotline.plan.sampler import GlobalSampler
+from spotline.redundancy import RedundantPipelineEngine
 from spotline.runtime import (
     configure_process,
     init_distributed,
@@ -97,8 +98,56 @@ def gather_hf_parameters(engine: Any, hf_config: Any) -> dict[str, torch.Tensor]
     return models.layer_names_to_hf(full, hf_config)
 
 
-def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
-    """Train ``cfg`` in this process (one rank of the job); rank 0 returns the summary."""
+@dataclass
+class Worker:
+    """One rank's live training state: what a loop, a test or a benchmark drives."""
+
+    cfg: RunConfig
+    ident: WorkerIdentity
+    hf_config: Any
+    corpus: sl_data.PackedCorpus
+    sampler: GlobalSampler
+    engine: RedundantPipelineEngine
+    setup_s: float
+
+    @property
+    def pipeline_id(self) -> int:
+        return int(self.engine.grid.data_parallel_id)
+
+    def get_batch(self, step: int, logical_worker: int, micro_batch: int) -> Batch:
+        return self.corpus.batch(self.sampler.indices(step, logical_worker, micro_batch))
+
+    def train_step(self, step: int) -> float:
+        """Run optimizer step ``step`` (0-based); returns the mean loss over pipelines."""
+        sl = self.cfg.spotline
+        self.engine.begin_step(seed=sl.training.seed, step=step, logical_worker=self.pipeline_id)
+        loss = self.engine.train_batch(
+            data_iter=step_batches(
+                self.get_batch,
+                step=step,
+                logical_worker=self.pipeline_id,
+                num_micro_batches=self.cfg.num_micro_batches,
+            )
+        )
+        return float(loss)
+
+    def replica_mismatches(self) -> list[int] | None:
+        """Stages whose replica differs from the owner's state (gathered on every rank).
+
+        ``None`` when redundancy is off. Compares digests of parameters and optimizer state.
+        """
+        engine = self.engine
+        if engine.replica is None:
+            return None
+        mine = (engine.stage_id, engine.own_digest(), engine.replica.stage, engine.replica_digest())
+        gathered: list[Any] = [None] * dist.get_world_size(engine.grid.get_pipe_parallel_group())
+        dist.all_gather_object(gathered, mine, group=engine.grid.get_pipe_parallel_group())
+        owners = {stage: digest for stage, digest, _, _ in gathered}
+        return sorted(stage for _, _, stage, digest in gathered if owners[stage] != digest)
+
+
+def setup_worker(cfg: RunConfig) -> Worker:
+    """Everything before the first step: process settings, process group, model, engine, data."""
     import os
 
     quiet_libraries()
@@ -126,10 +175,12 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
         activation_checkpoint_interval=sl.model.activation_checkpoint_interval,
     )
     engine = build_engine(
-        module, deepspeed_config_for(cfg.deepspeed, num_pipelines=cfg.num_pipelines)
+        module,
+        deepspeed_config_for(cfg.deepspeed, num_pipelines=cfg.num_pipelines),
+        RedundantPipelineEngine,
+        redundancy=sl.redundancy.mode,
+        replica_device=sl.redundancy.replica_device,
     )
-    setup_s = time.perf_counter() - t_setup
-
     sampler = GlobalSampler(
         num_samples=len(corpus),
         num_logical_workers=cfg.num_pipelines,
@@ -137,13 +188,25 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
         num_micro_batches=cfg.num_micro_batches,
         seed=sl.training.seed,
     )
+    worker = Worker(
+        cfg=cfg,
+        ident=ident,
+        hf_config=hf_config,
+        corpus=corpus,
+        sampler=sampler,
+        engine=engine,
+        setup_s=time.perf_counter() - t_setup,
+    )
+    engine.batch_source = worker.get_batch
+    return worker
 
-    def get_batch(
-        step: int, logical_worker: int, micro_batch: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return corpus.batch(sampler.indices(step, logical_worker, micro_batch))
 
-    is_reporter = ident.rank == 0
+def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
+    """Train ``cfg`` in this process (one rank of the job); rank 0 returns the summary."""
+    worker = setup_worker(cfg)
+    sl = cfg.spotline
+    engine = worker.engine
+    is_reporter = worker.ident.rank == 0
     tracker = Tracker(
         sl.tracking,
         enabled=is_reporter,
@@ -153,28 +216,27 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
     )
     losses: list[float] = []
     step_times: list[float] = []
-    pipeline_id = engine.grid.data_parallel_id
+    replica_checks = 0
+    replica_mismatches: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     for step in range(sl.training.steps):
         t_step = time.perf_counter()
-        engine.begin_step(seed=sl.training.seed, step=step, logical_worker=pipeline_id)
-        loss = engine.train_batch(
-            data_iter=step_batches(
-                get_batch,
-                step=step,
-                logical_worker=pipeline_id,
-                num_micro_batches=cfg.num_micro_batches,
-            )
-        )
+        losses.append(worker.train_step(step))
         step_times.append(time.perf_counter() - t_step)
-        losses.append(float(loss))
         tracker.log_step(step, {"loss": losses[-1], "step_time_s": step_times[-1]})
+        if sl.redundancy.verify_replicas:
+            bad = worker.replica_mismatches()
+            if bad is not None:
+                replica_checks += 1
+                replica_mismatches.extend({"step": step, "stage": s} for s in bad)
     wall_s = time.perf_counter() - t0
 
-    hf_params = gather_hf_parameters(engine, hf_config)
-    peak = torch.tensor([peak_rss_mib()], dtype=torch.float64)
-    peaks = [torch.zeros_like(peak) for _ in range(ident.world_size)]
-    dist.all_gather(peaks, peak)
+    hf_params = gather_hf_parameters(engine, worker.hf_config)
+    per_rank = torch.tensor(
+        [peak_rss_mib(), engine.redundant_s, engine.replica_sync_s], dtype=torch.float64
+    )
+    gathered = [torch.zeros_like(per_rank) for _ in range(worker.ident.world_size)]
+    dist.all_gather(gathered, per_rank)
     summary: dict[str, Any] | None = None
     if is_reporter:
         assert hf_params is not None
@@ -187,7 +249,7 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "final_loss": losses[-1],
             "samples_per_s": samples / wall_s,
             "wall_s": wall_s,
-            "setup_s": setup_s,
+            "setup_s": worker.setup_s,
             "step_time_s": sorted(step_times)[len(step_times) // 2],
             "workers": cfg.num_workers,
             "stages": cfg.num_stages,
@@ -197,19 +259,22 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "model": sl.model.name,
             "seed": sl.training.seed,
             "deterministic": sl.determinism.enabled,
-            "redundancy": sl.redundancy.mode,
-            "param_sha256": param_sha256(models.drop_tied_aliases(hf_params, hf_config)),
-            "peak_rss_mib_per_rank": [float(p.item()) for p in peaks],
+            "redundancy": engine.redundancy,
+            "param_sha256": param_sha256(models.drop_tied_aliases(hf_params, worker.hf_config)),
+            "peak_rss_mib_per_rank": [float(g[0]) for g in gathered],
+            "redundant_compute_s_per_rank": [float(g[1]) for g in gathered],
+            "replica_sync_s_per_rank": [float(g[2]) for g in gathered],
+            "replica_checks": replica_checks,
+            "replica_mismatches": replica_mismatches,
             "preemptions": 0,
             "recoveries": 0,
             "checkpoint_fallbacks": 0,
             "steps_redone": 0,
             "recovery_events": [],
         }
-        if sl.model.name and output_dir is not None:
-            models.save_pretrained(
-                _pipeline_state_from_hf(hf_params, hf_config), hf_config, str(output_dir / "model")
-            )
+        models.save_pretrained(
+            _pipeline_state_from_hf(hf_params, worker.hf_config), worker.hf_config, str(output_dir / "model")
+        )
         write_json_atomic(output_dir / SUMMARY_NAME, summary)
     tracker.finish(summary)
     dist.barrier()

@@ -75,3 +75,34 @@ def spotline_train(tmp_path: Path):
         return read_summary(output)
 
     return run
+
+
+def run_ranks(script: Path, world_size: int, args: list[str], *, timeout: float = 240) -> list[int]:
+    """Start ``world_size`` real ranks of ``script`` on one gloo group; reap them all."""
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    try:
+        for rank in range(world_size):
+            env = child_env()
+            env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+            procs.append(subprocess.Popen([sys.executable, str(script), *args], cwd=REPO, env=env))
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        return [p.returncode for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()

@@ -1,0 +1,485 @@
+"""Bamboo's redundant computation inside DeepSpeed's pipeline engine.
+
+Every stage ``s`` also holds a replica of its successor ``(s + 1) mod S`` (the last stage
+holds stage 0): the successor's layers and optimizer state, kept bitwise equal to the
+owner's after every step. The schedule (``spotline.plan.schedule``, pure data) adds the
+instructions defined here to DeepSpeed's 1F1B ``TrainSchedule``; this module executes them.
+
+How the replica stays exact: after the data-parallel reduction each stage sends its reduced
+gradients to its predecessor (one ring exchange per step, batched so that no send waits on
+a send), and the predecessor applies the *same* update to the replica with the same
+optimizer class and hyper-parameters, the same clip coefficient and the same learning rate.
+AdamW's update is element-wise, so identical gradients and state give identical bits.
+
+Modes:
+
+- ``lazy``: nothing redundant runs in steady state; the stage keeps what a replay of its
+  successor needs (the successor's inputs, i.e. its own outputs; the last stage keeps
+  stage 0's input ids) and the gradients of its own inputs (which its predecessor's
+  replica holder needs).
+- ``eager``: as lazy, plus the successor's forward pass runs in the pipeline bubbles with
+  its autograd graph kept, so a takeover only has to run the backward pass (Bamboo's eager
+  FRC; it costs memory, measured by the benchmark).
+
+The replica lives outside ``engine.module`` (a plain attribute DeepSpeed does not walk), so
+DeepSpeed's optimizer, gradient reduction, clipping and checkpoints never see it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.pipe import schedule as ds_schedule
+from deepspeed.runtime.pipe.schedule import PipeInstruction
+
+from spotline.clipping import apply_clip, clip_coefficient, per_layer_sq_norms
+from spotline.engine import Batch, SpotlinePipelineEngine, rebind_instruction_map
+from spotline.plan import schedule as plan
+
+
+class StashOutput(PipeInstruction):
+    """Keep a detached copy of this stage's forward output for micro-batch ``micro_batch_id``.
+
+    The output is the successor's input: with it this stage can replay the successor
+    (RedundantForward, or a takeover). Follows the ForwardPass of the same buffer, before
+    the BackwardPass frees it.
+    """
+
+
+class StashInputGrad(PipeInstruction):
+    """Keep a copy of the gradient of this stage's input for micro-batch ``micro_batch_id``.
+
+    It is the output gradient of the predecessor, which the predecessor's replica holder
+    needs to replay the predecessor's backward pass. Follows the BackwardPass.
+    """
+
+
+class ReplicaLoad(PipeInstruction):
+    """Last stage only: fetch stage 0's inputs (token ids) of ``micro_batch_id``.
+
+    Stage 0's replica lives on the last stage, whose own LoadMicroBatch keeps only labels.
+    Precedes the RedundantForward of stage 0 for the same micro-batch.
+    """
+
+
+class RedundantForward(PipeInstruction):
+    """Eager mode: run the successor's forward for ``micro_batch_id`` on the replica.
+
+    Input: this stage's stashed output (or stage 0's inputs on the last stage). The autograd
+    graph is kept for a takeover's backward pass. Placed in a bubble after the input exists.
+    """
+
+
+class ReplicaGradSend(PipeInstruction):
+    """Post the send of this stage's reduced gradients to its replica holder (predecessor).
+
+    Pairs with ReplicaGradRecv on the predecessor in the same step; the two run as one batch.
+    After ReduceGrads (the gradients are final, unclipped) and before OptimizerStep zeroes them.
+    """
+
+
+class ReplicaGradRecv(PipeInstruction):
+    """Receive the successor's reduced gradients into the replica; completes the ring batch.
+
+    Pairs with ReplicaGradSend on the successor. Followed by ReplicaStep.
+    """
+
+
+class ReplicaStep(PipeInstruction):
+    """Apply the owner's update to the replica: same clip coefficient, learning rate, optimizer.
+
+    After OptimizerStep (which computes the clip coefficient) and ReplicaGradRecv.
+    """
+
+
+INSTRUCTIONS: dict[str, type[PipeInstruction]] = {
+    cls.__name__: cls
+    for cls in (
+        ds_schedule.LoadMicroBatch,
+        ds_schedule.ForwardPass,
+        ds_schedule.BackwardPass,
+        ds_schedule.SendActivation,
+        ds_schedule.RecvActivation,
+        ds_schedule.SendGrad,
+        ds_schedule.RecvGrad,
+        ds_schedule.ReduceTiedGrads,
+        ds_schedule.ReduceGrads,
+        ds_schedule.OptimizerStep,
+        StashOutput,
+        StashInputGrad,
+        ReplicaLoad,
+        RedundantForward,
+        ReplicaGradSend,
+        ReplicaGradRecv,
+        ReplicaStep,
+    )
+}
+
+
+class LoweredSchedule:
+    """A plan.Schedule lowered for one pipeline position, in the shape ``_exec_schedule`` runs."""
+
+    def __init__(self, schedule: plan.Schedule, position: int) -> None:
+        self.schedule = schedule
+        self.position = position
+        self._steps = [
+            [INSTRUCTIONS[name](**kwargs) for name, kwargs in step]
+            for step in plan.lower(schedule, position)
+        ]
+
+    def num_pipe_buffers(self) -> int:
+        return plan.num_pipe_buffers(
+            self.schedule.num_stages, self.schedule.num_micro_batches, self.position
+        )
+
+    def __iter__(self) -> Iterator[list[PipeInstruction]]:
+        return iter(self._steps)
+
+
+@dataclass
+class StepStash:
+    """What one step keeps for a possible replay; cleared at the start of every step."""
+
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    input_grads: dict[int, torch.Tensor] = field(default_factory=dict)
+    replica_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    # Eager: (replica input leaf, replica output or loss) with the autograd graph kept.
+    redundant: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+class Replica:
+    """The successor stage's layers and optimizer, held by this stage (not a torch Module).
+
+    Parameters are named by global layer index, like the owner's PipelineModule, so owner
+    and replica can be compared and their state moved by name.
+    """
+
+    def __init__(
+        self,
+        engine: SpotlinePipelineEngine,
+        stage: int,
+        device: torch.device,
+    ) -> None:
+        module = engine.module
+        self.stage = stage
+        self.start, self.stop = module.parts[stage], module.parts[stage + 1]
+        self.layers = torch.nn.ModuleDict()
+        self.forward_funcs: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        for layer_idx in range(self.start, self.stop):
+            layer = module._layer_specs[layer_idx].build().to(device)
+            self.layers[str(layer_idx)] = layer
+            layer.register_forward_pre_hook(engine._make_reseed_hook(layer_idx))
+        self.named_params = list(self.layers.named_parameters())
+        self.params = [p for _, p in self.named_params]
+        opt = engine.optimizer
+        # The owner's optimizer class and hyper-parameters (defaults can hold keys the
+        # constructor derives itself, e.g. AdamW's decoupled_weight_decay).
+        accepted = inspect.signature(type(opt).__init__).parameters
+        hyper = {k: v for k, v in opt.defaults.items() if k in accepted}
+        self.optimizer = type(opt)(self.params, **hyper)
+        self.is_last = stage == engine.num_stages - 1
+        self.loss_fn = module.loss_fn
+        self.flat_grads: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer_idx in range(self.start, self.stop):
+            x = self.layers[str(layer_idx)](x)
+        return x
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def set_grads_from_flat(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+        assert offset == flat.numel()
+
+
+def state_digest(named_params: list[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer) -> str:
+    """SHA-256 over parameters and their optimizer state, by name (the exactness check)."""
+    h = hashlib.sha256()
+    for name, p in sorted(named_params, key=lambda item: item[0]):
+        h.update(name.encode())
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            h.update(key.encode())
+            t = value if torch.is_tensor(value) else torch.tensor(value)
+            h.update(t.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+class RedundantPipelineEngine(SpotlinePipelineEngine):
+    """``SpotlinePipelineEngine`` plus Bamboo replicas and redundant computation."""
+
+    def __init__(self, *args: Any, redundancy: str = "off", replica_device: str = "host", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if redundancy not in plan.REDUNDANCY_MODES:
+            raise ValueError(f"redundancy {redundancy!r}: expected one of {plan.REDUNDANCY_MODES}")
+        # One stage cannot hold a replica of another: nothing redundant to do.
+        self.redundancy = redundancy if self.num_stages > 1 else "off"
+        device = torch.device("cpu") if replica_device == "host" else self.device
+        self.replica: Replica | None = None
+        if self.redundancy != "off":
+            self.replica = Replica(self, (self.stage_id + 1) % self.num_stages, device)
+        self._plan = plan.add_redundancy(
+            plan.train_schedule(self.num_stages, self.micro_batches), self.redundancy
+        )
+        plan.validate(self._plan)
+        self.stash = StepStash()
+        self.batch_source: Callable[[int, int, int], Batch] | None = None
+        self.replica_grads_from = "owner"  # or "replay": a test of the takeover path
+        self._pending_send: dist.P2POp | None = None
+        self.redundant_s = 0.0
+        self.replica_sync_s = 0.0
+        self.replay_s = 0.0
+        self.last_layer_sq_norms: torch.Tensor | None = None
+        self._pre_tied_grads: dict[str, torch.Tensor] = {}
+
+    # -- the schedule -------------------------------------------------------------------
+    def _train_schedule(self) -> LoweredSchedule:  # type: ignore[override]
+        return LoweredSchedule(self._plan, self.stage_id)
+
+    def begin_step(self, *, seed: int, step: int, logical_worker: int) -> None:
+        super().begin_step(seed=seed, step=step, logical_worker=logical_worker)
+        self.stash = StepStash()
+
+    def _peer(self, stage: int) -> int:
+        return int(self.grid.stage_to_global(stage_id=stage % self.num_stages))
+
+    def _batch(self, micro_batch: int) -> Batch:
+        assert self.batch_source is not None, "set engine.batch_source before training"
+        return self.batch_source(self.rng_step, self.rng_logical_worker, micro_batch)
+
+    # -- stashes ------------------------------------------------------------------------
+    def _exec_stash_output(self, buffer_id: int, micro_batch_id: int) -> None:
+        out = self.pipe_buffers["outputs"][buffer_id]
+        assert torch.is_tensor(out), "Spotline layers pass one tensor between stages"
+        self.stash.outputs[micro_batch_id] = out.detach().clone()
+
+    def _exec_stash_input_grad(self, buffer_id: int, micro_batch_id: int) -> None:
+        inputs = self.pipe_buffers["inputs"][buffer_id]
+        assert torch.is_tensor(inputs) and inputs.grad is not None
+        self.stash.input_grads[micro_batch_id] = inputs.grad.detach().clone()
+
+    def _exec_replica_load(self, micro_batch_id: int) -> None:
+        self.stash.replica_inputs[micro_batch_id] = self._batch(micro_batch_id)[0].to(self.device)
+
+    def _replica_input(self, micro_batch: int) -> torch.Tensor:
+        assert self.replica is not None
+        if self.replica.stage == 0:
+            return self.stash.replica_inputs[micro_batch]
+        return self.stash.outputs[micro_batch]
+
+    # -- redundant forward --------------------------------------------------------------
+    def _replica_forward(self, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The successor's forward (and loss, for the last stage) with the owner's RNG context."""
+        assert self.replica is not None
+        source = self._replica_input(micro_batch)
+        leaf = source.detach()
+        if leaf.is_floating_point():
+            leaf.requires_grad_(True)
+        self._rng_micro_batch = micro_batch
+        with torch.enable_grad():
+            out = self.replica.forward(leaf)
+            if self.replica.is_last:
+                labels = self._batch(micro_batch)[1].to(self.device)
+                out = self.replica.loss_fn(out, labels)
+        return leaf, out
+
+    def _exec_redundant_forward(self, micro_batch_id: int) -> None:
+        t0 = time.perf_counter()
+        self.stash.redundant[micro_batch_id] = self._replica_forward(micro_batch_id)
+        self.redundant_s += time.perf_counter() - t0
+
+    # -- tied weights: remember the unreduced gradients a replay adds to ---------------
+    def _exec_reduce_tied_grads(self) -> None:
+        if self.replica is not None:
+            params = dict(self.module.named_parameters())
+            self._pre_tied_grads = {
+                name: params[name].grad.detach().clone()
+                for pair in self.tied_pairs
+                for name in (pair.original, pair.copy)
+                if name in params and params[name].grad is not None
+            }
+        super()._exec_reduce_tied_grads()
+
+    # -- replica synchronisation ------------------------------------------------------------
+    def _exec_replica_grad_send(self) -> None:
+        t0 = time.perf_counter()
+        flat = torch.cat([p.grad.detach().reshape(-1) for p in self.module.parameters()])
+        self._pending_send = dist.P2POp(dist.isend, flat, self._peer(self.stage_id - 1))
+        self.replica_sync_s += time.perf_counter() - t0
+
+    def _exec_replica_grad_recv(self) -> None:
+        assert self.replica is not None and self._pending_send is not None
+        t0 = time.perf_counter()
+        numel = sum(p.numel() for p in self.replica.params)
+        flat = torch.empty(numel, dtype=self.replica.params[0].dtype)
+        recv = dist.P2POp(dist.irecv, flat, self._peer(self.stage_id + 1))
+        # Every stage sends to its predecessor and receives from its successor at once:
+        # batching the pair avoids a ring of blocked sends.
+        for work in dist.batch_isend_irecv([self._pending_send, recv]):
+            work.wait()
+        self._pending_send = None
+        self.replica.flat_grads = flat
+        self.replica_sync_s += time.perf_counter() - t0
+        if self.replica_grads_from == "replay":
+            self.exchange_replay_inputs()
+
+    def _exec_replica_step(self) -> None:
+        assert self.replica is not None and self.replica.flat_grads is not None
+        t0 = time.perf_counter()
+        if self.replica_grads_from == "replay":
+            received = self.replica.flat_grads
+            self.replay_successor()
+            replayed = torch.cat([p.grad.reshape(-1) for p in self.replica.params])
+            self.replay_matched_owner_grads = torch.equal(replayed, received)
+        else:
+            self.replica.set_grads_from_flat(self.replica.flat_grads)
+        if self.gradient_clipping() > 0:
+            # The owner's coefficient, applied with the same op to the same gradients.
+            apply_clip((p.grad for p in self.replica.params), self.last_clip_coefficient)
+        for group in self.replica.optimizer.param_groups:
+            group["lr"] = self.optimizer.param_groups[0]["lr"]
+        self.replica.optimizer.step()
+        self.replica.zero_grad()
+        self.replica.flat_grads = None
+        self.replica_sync_s += time.perf_counter() - t0
+
+    # -- failover replay (Bamboo's lazy backward redundant computation) -----------------
+    def replay_successor(self) -> None:
+        """Recompute the successor's gradients for this step from what this process holds.
+
+        Inputs: the replica (parameters as of the previous step), the successor's inputs
+        (this stage's stashed outputs, or stage 0's token ids), the successor's output
+        gradients (``successor_output_grads``, kept by the stage after it until the step
+        commits) and, for a tied weight, the partner's unreduced gradient. Leaves the
+        replica's ``.grad`` equal to what the owner's reduced gradient was.
+        """
+        assert self.replica is not None
+        t0 = time.perf_counter()
+        replica = self.replica
+        replica.zero_grad()
+        for micro_batch in range(self.micro_batches):
+            if micro_batch in self.stash.redundant:
+                # Eager: the forward already ran in a bubble; only the backward remains.
+                _, out = self.stash.redundant[micro_batch]
+            else:
+                _, out = self._replica_forward(micro_batch)
+            self._rng_micro_batch = micro_batch
+            if replica.is_last:
+                # DeepSpeedEngine.backward: the loss divided by the micro-batch count.
+                (out / self.micro_batches).backward()
+            else:
+                out.backward(gradient=self.successor_output_grads[micro_batch])
+        params = dict(replica.named_params)
+        for pair in self.tied_pairs:
+            for mine, partner in ((pair.original, pair.copy), (pair.copy, pair.original)):
+                if mine in params:
+                    held = params[mine].grad
+                    other = self.partner_grads[partner]
+                    # The original's gradient first, as in _exec_reduce_tied_grads.
+                    summed = held + other if mine == pair.original else other + held
+                    held.copy_(summed)
+        self.replay_s += time.perf_counter() - t0
+
+    def exchange_replay_inputs(self) -> None:
+        """Give every replica holder what a replay of its successor needs from other stages.
+
+        Holder ``p`` replays stage ``p+1``. It needs the output gradients of stage ``p+1``,
+        which stage ``p+2`` stashed as its input gradients, and, when the replica holds one
+        side of a tied weight, the other side's unreduced gradient. In a real takeover the
+        same transfers run over the new process group; here every stage runs them at once
+        (a test of the takeover path), as one batch of sends and receives.
+        """
+        stages = self.num_stages
+        me = self.stage_id
+        ops: list[dist.P2POp] = []
+
+        def transfer(src_stage: int, dst_stage: int, make_send: Callable[[], torch.Tensor], recv_like: torch.Tensor | None) -> torch.Tensor | None:
+            if src_stage == dst_stage == me:
+                return make_send()
+            if src_stage == me:
+                ops.append(dist.P2POp(dist.isend, make_send(), self._peer(dst_stage)))
+            if dst_stage == me:
+                assert recv_like is not None
+                buf = torch.empty_like(recv_like)
+                ops.append(dist.P2POp(dist.irecv, buf, self._peer(src_stage)))
+                return buf
+            return None
+
+        # Output gradients: stage q (q > 0) sends its input gradients to q - 2.
+        grads_like = self._hidden_like()
+        received = None
+        for q in range(1, stages):
+            holder = (q - 2) % stages
+            got = transfer(
+                q,
+                holder,
+                lambda: torch.stack([self.stash.input_grads[m] for m in range(self.micro_batches)]),
+                grads_like,
+            )
+            if holder == me:
+                received = got
+        # Tied partners: the holder of each side's replica needs the other side's gradient.
+        replica_params = dict(self.replica.named_params) if self.replica is not None else {}
+        partner_grads: dict[str, torch.Tensor] = {}
+        for pair in self.tied_pairs:
+            for mine, mine_layer, partner, partner_layer in (
+                (pair.original, pair.original_layer, pair.copy, pair.copy_layer),
+                (pair.copy, pair.copy_layer, pair.original, pair.original_layer),
+            ):
+                holder = (self.stage_of_layer(mine_layer) - 1) % stages
+                owner = self.stage_of_layer(partner_layer)
+                like = replica_params[mine] if holder == me else None
+                got = transfer(owner, holder, lambda name=partner: self._pre_tied_grads[name], like)
+                if holder == me:
+                    assert got is not None
+                    partner_grads[partner] = got
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        self.successor_output_grads = (
+            {} if received is None else {m: received[m] for m in range(self.micro_batches)}
+        )
+        self.partner_grads = partner_grads
+
+    def _hidden_like(self) -> torch.Tensor:
+        """A tensor shaped like this step's stacked hidden states (micro-batches first)."""
+        sample = next(iter(self.stash.outputs.values()), None)
+        if sample is None:
+            sample = next(iter(self.stash.input_grads.values()))
+        return torch.empty((self.micro_batches, *sample.shape), dtype=sample.dtype)
+
+    # -- exactness checks -------------------------------------------------------------------
+    def own_digest(self) -> str:
+        return state_digest(list(self.module.named_parameters()), self.optimizer)
+
+    def replica_digest(self) -> str:
+        assert self.replica is not None
+        return state_digest(self.replica.named_params, self.replica.optimizer)
+
+
+rebind_instruction_map(RedundantPipelineEngine)
+RedundantPipelineEngine._INSTRUCTION_MAP.update(
+    {
+        StashOutput: RedundantPipelineEngine._exec_stash_output,
+        StashInputGrad: RedundantPipelineEngine._exec_stash_input_grad,
+        ReplicaLoad: RedundantPipelineEngine._exec_replica_load,
+        RedundantForward: RedundantPipelineEngine._exec_redundant_forward,
+        ReplicaGradSend: RedundantPipelineEngine._exec_replica_grad_send,
+        ReplicaGradRecv: RedundantPipelineEngine._exec_replica_grad_recv,
+        ReplicaStep: RedundantPipelineEngine._exec_replica_step,
+    }
+)
