@@ -21,7 +21,10 @@ from spotline.sim.engine import (
     young_daly_interval_s,
 )
 
-SHARED_TRACES = Path(os.environ.get("SPOTLINE_TRACES", "/work/shared/traces"))
+# The traces live in shared/ beside the repository (as CI lays it out), or where SPOTLINE_TRACES says.
+SHARED_TRACES = Path(
+    os.environ.get("SPOTLINE_TRACES", Path(__file__).resolve().parent.parent.parent / "shared" / "traces")
+)
 
 TOY = {
     "spot_price_per_node_hour": 1.0,

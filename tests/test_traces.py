@@ -19,7 +19,10 @@ from spotline.plan.traces import (
     trace_from_levels,
 )
 
-SHARED_TRACES = Path(os.environ.get("SPOTLINE_TRACES", "/work/shared/traces"))
+# The traces live in shared/ beside the repository (as CI lays it out), or where SPOTLINE_TRACES says.
+SHARED_TRACES = Path(
+    os.environ.get("SPOTLINE_TRACES", Path(__file__).resolve().parent.parent.parent / "shared" / "traces")
+)
 
 
 def write(tmp_path: Path, name: str, text: str, newline: str = "\n") -> Path:
