@@ -97,10 +97,27 @@ class CheckpointSection:
 
 @dataclass(frozen=True)
 class RecoverySection:
+    """How failures are survived, detected and (for tests and demos) injected."""
+
     mode: RecoveryMode = "failover"
     store: StoreBackend = "tcp"
+    # A worker whose heartbeat is older than this is presumed hung and is killed.
     heartbeat_timeout_s: float = 5.0
+    # A preempted (SIGTERM) worker leaves at the next step boundary, or after this long.
     term_grace_s: float = 10.0
+    # Bound on one collective: a peer that hangs instead of dying is caught by this.
+    collective_timeout_s: float = 60.0
+    # Faults: "kill|term:STEP:WORKER[:PHASE]" or "add:STEP" (see spotline.plan.chaos).
+    inject: list[str] = field(default_factory=list)
+    trace: str | None = None
+    time_scale: float = 1.0
+    trace_removal: Literal["kill", "term"] = "kill"
+    preempt_rate: float = 0.0  # preemptions per worker-hour of trace time
+    preempt_seed: int | None = None  # None: the run's seed
+    replace_after_s: float = 45.0  # trace time until a preempted worker is replaced
+    max_workers: int | None = None  # local cap for trace replay (default: --workers)
+    # checkpoint-restart: the Young/Daly interval needs these estimates (seconds).
+    checkpoint_cost_s: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -202,6 +219,8 @@ def _type_name(tp: Any) -> str:
         return "null"
     if origin is dict:
         return "an object"
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(
         tp, str(tp)
     )
@@ -225,6 +244,10 @@ def _check_value(path: str, value: Any, tp: Any) -> Any:
     elif origin is dict:
         if isinstance(value, dict):
             return dict(value)
+    elif origin is list:
+        (item_type,) = typing.get_args(tp)
+        if isinstance(value, list):
+            return [_check_value(f"{path}[{i}]", v, item_type) for i, v in enumerate(value)]
     elif tp is bool:
         if isinstance(value, bool):
             return value

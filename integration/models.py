@@ -42,7 +42,7 @@ import copy
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -593,6 +593,53 @@ def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
+def logical_parts(hf_config: transformers.PretrainedConfig, num_stages: int) -> list[int]:
+    """Layer boundaries of ``num_stages`` logical stages: the transformer blocks spread evenly.
+
+    The same computation as DeepSpeed's ``type:`` partition method, done without a process
+    group, so every process (and the planner) agrees on which layers form logical stage s.
+    """
+    from deepspeed.runtime import utils as ds_utils
+
+    weights = [0] * num_layers(hf_config)
+    first_block = 2 if (_arch(hf_config).pos_embed or _arch(hf_config).embed_dropout) else 1
+    for block_idx in range(num_blocks(hf_config)):
+        weights[first_block + block_idx] = 1
+    return [int(p) for p in ds_utils.partition_balanced(weights=weights, num_parts=num_stages)]
+
+
+def physical_parts(logical: Sequence[int], groups: Sequence[Sequence[int]]) -> list[int]:
+    """Layer boundaries when contiguous logical stages are merged into physical stages.
+
+    ``groups[i]`` lists the logical stages physical stage ``i`` runs, e.g. ``[[0], [1, 2],
+    [3]]`` after stage 2's owner is lost and its predecessor took it over.
+    """
+    flat = [stage for group in groups for stage in group]
+    assert flat == list(range(len(logical) - 1)), f"groups {groups} must cover the stages in order"
+    return [logical[group[0]] for group in groups] + [logical[-1]]
+
+
+class PlacedPipelineModule(PipelineModule):
+    """A PipelineModule whose stage boundaries are given rather than computed.
+
+    Spotline merges logical stages into physical stages when workers are lost; the layer
+    boundaries then come from the logical partition (:func:`logical_parts`), never from a
+    fresh partitioning of the layers over fewer stages (which would move layers between
+    logical stages).
+    """
+
+    def __init__(self, *args: Any, parts: Sequence[int], **kwargs: Any) -> None:
+        # Set before PipelineModule.__init__, which partitions the layers.
+        object.__setattr__(self, "_given_parts", [int(p) for p in parts])
+        super().__init__(*args, **kwargs)
+
+    def _partition_layers(self, method: str = "uniform") -> None:
+        stage_id = self._topo.get_coord(self.global_rank).pipe
+        self.parts = list(self._given_parts)
+        assert len(self.parts) == self.num_stages + 1, (self.parts, self.num_stages)
+        self._set_bounds(start=self.parts[stage_id], stop=self.parts[stage_id + 1])
+
+
 def build_pipeline_module(
     hf_config: transformers.PretrainedConfig,
     num_stages: int,
@@ -601,11 +648,13 @@ def build_pipeline_module(
     pretrained_dir: str | None = None,
     activation_checkpoint_interval: int = 0,
     topology: Any = None,
+    parts: Sequence[int] | None = None,
 ) -> PipelineModule:
     """The model as a DeepSpeed PipelineModule over ``num_stages`` stages.
 
     Needs torch.distributed (deepspeed.comm) initialised. With ``topology`` its pipe
-    dimension must equal ``num_stages``. Activation checkpointing applies to the
+    dimension must equal ``num_stages``. ``parts`` gives the layer boundaries (default: the
+    logical partition into ``num_stages`` stages). Activation checkpointing applies to the
     transformer blocks only (the reentrant checkpoint cannot take the integer token ids).
     """
     count = num_blocks(hf_config)
@@ -621,7 +670,7 @@ def build_pipeline_module(
             f"topology has {topology.get_dim('pipe')} pipeline stages, num_stages is {num_stages}"
         )
     specs = build_layer_specs(hf_config, seed=seed, pretrained_dir=pretrained_dir)
-    module = PipelineModule(
+    module = PlacedPipelineModule(
         layers=specs,
         num_stages=None if topology is not None else num_stages,
         topology=topology,
@@ -629,6 +678,7 @@ def build_pipeline_module(
         partition_method=partition_method(hf_config),
         activation_checkpoint_interval=activation_checkpoint_interval,
         checkpointable_layers=[_BLOCK_CLASS_NAME],
+        parts=parts if parts is not None else logical_parts(hf_config, num_stages),
     )
     release_weight_source(specs)
     return module

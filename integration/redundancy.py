@@ -39,7 +39,7 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.schedule import PipeInstruction
 
-from spotline.clipping import apply_clip, clip_coefficient, per_layer_sq_norms
+from spotline.clipping import apply_clip
 from spotline.engine import Batch, SpotlinePipelineEngine, rebind_instruction_map
 from spotline.plan import schedule as plan
 
@@ -243,8 +243,18 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         self.redundant_s = 0.0
         self.replica_sync_s = 0.0
         self.replay_s = 0.0
-        self.last_layer_sq_norms: torch.Tensor | None = None
         self._pre_tied_grads: dict[str, torch.Tensor] = {}
+        # Commit bookkeeping (what a survivor reports after a failure): optimizer steps
+        # applied to the own stage and to the replica, and whether this step's final
+        # gradients are held (the step can still be applied without communication).
+        self.applied_steps = 0
+        self.replica_applied_steps = 0
+        self.own_ready = False
+        self.replica_ready = False
+        self._clipped_this_step = False
+        # Called with a phase name ("forward", "backward", "send", "recv", "optimizer") as
+        # each instruction starts: fault injection and progress reporting hook in here.
+        self.phase_hook: Callable[[str], None] | None = None
 
     # -- the schedule -------------------------------------------------------------------
     def _train_schedule(self) -> LoweredSchedule:  # type: ignore[override]
@@ -253,6 +263,62 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
     def begin_step(self, *, seed: int, step: int, logical_worker: int) -> None:
         super().begin_step(seed=seed, step=step, logical_worker=logical_worker)
         self.stash = StepStash()
+        self._clipped_this_step = False
+
+    def _phase(self, name: str) -> None:
+        if self.phase_hook is not None:
+            self.phase_hook(name)
+
+    def _exec_forward_pass(self, buffer_id: int) -> None:
+        self._phase("forward")
+        super()._exec_forward_pass(buffer_id)
+
+    def _exec_backward_pass(self, buffer_id: int) -> None:
+        self._phase("backward")
+        super()._exec_backward_pass(buffer_id)
+
+    def _exec_send_activations(self, buffer_id: int) -> None:
+        self._phase("send")
+        super()._exec_send_activations(buffer_id)
+
+    def _exec_send_grads(self, buffer_id: int) -> None:
+        self._phase("send")
+        super()._exec_send_grads(buffer_id)
+
+    def _exec_recv_activations(self, buffer_id: int) -> None:
+        self._phase("recv")
+        super()._exec_recv_activations(buffer_id)
+
+    def _exec_recv_grads(self, buffer_id: int) -> None:
+        self._phase("recv")
+        super()._exec_recv_grads(buffer_id)
+
+    # -- the commit ---------------------------------------------------------------------------
+    def clip_fp32_gradients(self) -> None:
+        # Clipping runs once per step, before the commit barrier (see _exec_optimizer_step);
+        # DeepSpeed's own call inside the optimizer step then finds nothing to do.
+        if not self._clipped_this_step:
+            super().clip_fp32_gradients()
+            self._clipped_this_step = True
+
+    def _exec_optimizer_step(self, lr_kwargs: Any = None) -> None:
+        """Prepare, commit, apply: the optimizer step is the step's commit point.
+
+        Every rank first finishes everything that needs communication (tied and data
+        parallel reductions, the replica gradient exchange, the clip norm), then passes a
+        global barrier. A rank that applies the step therefore knows every rank held its
+        final gradients, so after a failure the survivors can all apply the step (or, if
+        no one passed the barrier, all redo it): no step is lost or applied twice.
+        """
+        self._phase("optimizer")
+        if self.gradient_clipping() > 0:
+            self.clip_fp32_gradients()
+        self.own_ready = True
+        self.replica_ready = self.replica is not None and self.replica.flat_grads is not None
+        dist.barrier()
+        super()._exec_optimizer_step(lr_kwargs)
+        self.applied_steps += 1
+        self.own_ready = False
 
     def _peer(self, stage: int) -> int:
         return int(self.grid.stage_to_global(stage_id=stage % self.num_stages))
@@ -355,6 +421,8 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         self.replica.optimizer.step()
         self.replica.zero_grad()
         self.replica.flat_grads = None
+        self.replica_applied_steps += 1
+        self.replica_ready = False
         self.replica_sync_s += time.perf_counter() - t0
 
     # -- failover replay (Bamboo's lazy backward redundant computation) -----------------

@@ -56,6 +56,9 @@ def build_train_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="DeepSpeed config JSON with a 'spotline' section")
     parser.add_argument("--output", help="output directory (default: runs/<time>)")
     add_run_flags(parser, with_workers=True)
+    from spotline.launch.flags import add_recovery_flags
+
+    add_recovery_flags(parser)
 
 
 def resolve_config(args: argparse.Namespace) -> Any:
@@ -74,6 +77,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         from spotline.trainer import prepare_inputs
 
         prepare_inputs(cfg)
+        validate_recovery(cfg)
     except UserError as exc:
         return fail(str(exc))
     output = Path(args.output or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
@@ -83,49 +87,47 @@ def cmd_train(args: argparse.Namespace) -> int:
     resolved = output / "config.resolved.json"
     write_json_atomic(resolved, cfg.to_json())
 
-    world = cfg.num_workers
-    port = free_port()
-    threads = cfg.spotline.determinism.intra_op_threads
-    procs: list[subprocess.Popen[bytes]] = []
-    logs_dir = output / "logs"
-    logs_dir.mkdir(exist_ok=True)
+    from spotline.launch.coordinator import Coordinator, child_environment
+
+    env = child_environment()
+    env["OMP_NUM_THREADS"] = str(cfg.spotline.determinism.intra_op_threads)
+    coordinator = Coordinator(cfg, resolved, output, env=env)
     try:
-        for rank in range(world):
-            # Each worker's output goes to its log; rank 0's stderr (progress, errors) also
-            # reaches the terminal.
-            log = open(logs_dir / f"worker-{rank}.log", "wb")  # noqa: SIM115 - closed by the child's exit
-            procs.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "spotline.launch.worker",
-                        "--config",
-                        str(resolved),
-                        "--output",
-                        str(output),
-                    ],
-                    env=worker_env(rank, world, port, threads),
-                    stdout=log,
-                    stderr=None if rank == 0 else subprocess.STDOUT,
-                )
-            )
-            log.close()
-        codes = wait_all(procs)
+        summary = coordinator.run()
     except KeyboardInterrupt:
-        terminate(procs)
+        coordinator.shutdown()
         return 130
-    if any(c != 0 for c in codes):
-        if all(c in (0, EXIT_USAGE) for c in codes):
-            return EXIT_USAGE
-        print(
-            f"spotline: error: worker exit codes {codes}; see {logs_dir}/worker-*.log",
-            file=sys.stderr,
-        )
+    except BaseException:
+        coordinator.shutdown()
+        raise
+    if summary.get("param_sha256") is None:
+        print(f"spotline: error: the run ended without a result; see {output}/logs", file=sys.stderr)
         return 1
-    summary = json.loads((output / SUMMARY_NAME).read_text())
+    write_json_atomic(output / SUMMARY_NAME, summary)
+    coordinator.log_to_wandb(summary)
     print(format_summary(summary, output))
     return 0
+
+
+def validate_recovery(cfg: Any) -> None:
+    """Recovery inputs a user can get wrong: inject specs, trace files, rates."""
+    from spotline.plan.chaos import check_injections, parse_injections
+    from spotline.plan.traces import load_trace
+
+    rec = cfg.spotline.recovery
+    injections = parse_injections(rec.inject)
+    check_injections(injections, num_workers=cfg.num_workers, num_steps=cfg.spotline.training.steps)
+    if rec.trace is not None:
+        if not Path(rec.trace).is_file():
+            raise UserError(f"--trace {rec.trace}: no such file; pass a trace file (see shared/traces/README.md)")
+        try:
+            load_trace(rec.trace)
+        except ValueError as exc:
+            raise UserError(f"--trace {rec.trace}: {exc}") from None
+    if rec.time_scale <= 0:
+        raise UserError(f"--time-scale {rec.time_scale}: expected a positive number of trace seconds per second")
+    if rec.preempt_rate < 0:
+        raise UserError(f"--preempt-rate {rec.preempt_rate}: expected a rate >= 0 per worker-hour")
 
 
 def wait_all(procs: list[subprocess.Popen[bytes]]) -> list[int]:
@@ -156,14 +158,15 @@ def terminate(procs: list[subprocess.Popen[bytes]]) -> None:
 
 
 def format_summary(s: dict[str, Any], output: Path) -> str:
+    first, last = s["losses"][0], s["final_loss"]
+    loss = f"loss {first:.4f} -> {last:.4f}" if first is not None and last is not None else "loss n/a"
     return "\n".join(
         [
             f"spotline: trained {s['model']} for {s['steps']} steps on {s['workers']} workers "
             f"({s['stages']} stages x {s['pipelines']} pipelines, redundancy {s['redundancy']})",
-            f"  loss {s['losses'][0]:.4f} -> {s['final_loss']:.4f}   "
-            f"{s['samples_per_s']:.1f} samples/s   {s['wall_s']:.1f} s",
+            f"  {loss}   {s['samples_per_s']:.1f} samples/s   {s['wall_s']:.1f} s",
             f"  preemptions {s['preemptions']}  recoveries {s['recoveries']}  "
-            f"checkpoint fallbacks {s['checkpoint_fallbacks']}",
+            f"checkpoint fallbacks {s['checkpoint_fallbacks']}  steps redone {s.get('steps_redone', 0)}",
             f"  param_sha256 {s['param_sha256']}",
             f"  summary: {output / 'summary.json'}   model: {output / 'model'}",
         ]

@@ -21,6 +21,12 @@ FLAG_KEYS: dict[str, str] = {
     "tokenizer": "spotline.data.tokenizer",
     "redundancy": "spotline.redundancy.mode",
     "wandb": "spotline.tracking.wandb",
+    "recovery": "spotline.recovery.mode",
+    "trace": "spotline.recovery.trace",
+    "time_scale": "spotline.recovery.time_scale",
+    "preempt_rate": "spotline.recovery.preempt_rate",
+    "max_workers": "spotline.recovery.max_workers",
+    "checkpoint_interval": "spotline.checkpoints.interval_steps",
     "micro_batch_size": "train_micro_batch_size_per_gpu",
     "micro_batches": "gradient_accumulation_steps",
 }
@@ -62,4 +68,22 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
             out[key] = value
     if getattr(args, "deterministic", None):
         out["spotline.determinism.enabled"] = True
+    if getattr(args, "inject", None):
+        out["spotline.recovery.inject"] = list(args.inject)
     return out
+
+
+def add_recovery_flags(parser: argparse.ArgumentParser) -> None:
+    """Flags of the local launcher only: they need Spotline's coordinator."""
+    parser.add_argument("--recovery", help="failover (default: in-memory takeover) or checkpoint-restart")
+    parser.add_argument("--trace", help="replay a spot trace (any format of shared/traces/README.md)")
+    parser.add_argument("--time-scale", type=float, help="trace seconds played per wall second")
+    parser.add_argument("--preempt-rate", type=float, help="random preemptions per worker-hour (seeded by --seed)")
+    parser.add_argument("--max-workers", type=int, help="local cap on workers for trace replay")
+    parser.add_argument("--checkpoint-interval", type=int, help="steps between checkpoints (0: never)")
+    parser.add_argument(
+        "--inject",
+        action="append",
+        metavar="SIGNAL:STEP:WORKER[:PHASE]|add:STEP",
+        help="deliver kill/term to a worker at a step (and phase), or add a worker; repeatable",
+    )

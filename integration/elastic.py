@@ -1,0 +1,636 @@
+"""A worker that survives the loss of its peers: generations, in-memory state, takeover.
+
+A worker lives through *generations*. Each generation is one torch.distributed process
+group over the members the coordinator chose (``spotline.plan.layout``), one DeepSpeed
+engine built for that layout, and a run of training steps. A generation ends when a peer
+fails (gloo reports a dead peer as an exception within a fraction of a second), when the
+coordinator asks every member to stop at a step boundary (an arrival, a departure) or when
+training is done. Then the worker:
+
+1. copies what it holds out of the engine into plain tensors: its own logical stages and
+   its replica's, each with its optimizer state, the number of steps applied, and the
+   final gradients of the step in progress if it got past the commit barrier;
+2. drops every reference to the engine and destroys the process group, so that peers
+   blocked on it see closed connections at once instead of waiting for a timeout;
+3. reports its holdings to the coordinator's store and waits for the next plan;
+4. rolls forward the step if the plan says it was committed, joins the next generation's
+   process group, builds the engine for the new layout and loads its stages, receiving
+   any it does not hold from the member the plan names (in memory, never from disk), then
+   rebuilds replicas by a ring transfer from their owners;
+5. resumes at the committed step. The sampler, the dropout seeds and every reduction are
+   functions of the logical topology, so the result is bitwise what an undisturbed run gives.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from spotline import models
+from spotline.checkpoint import CheckpointWriter, latest_complete, load_all
+from spotline.config import RunConfig
+from spotline.engine import build_engine, deepspeed_config_for
+from spotline.plan.chaos import parse_injections
+from spotline.plan.layout import Holding, Layout
+from spotline.plan.sampler import GlobalSampler
+from spotline.redundancy import RedundantPipelineEngine
+from spotline.runtime import configure_process, param_sha256, peak_rss_mib, seed_everything
+
+OPT_KEYS = ("step", "exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class StageState:
+    """One logical stage's parameters and optimizer state, by global parameter name."""
+
+    version: int
+    params: dict[str, torch.Tensor]
+    opt: dict[str, dict[str, torch.Tensor]]
+    grads: dict[str, torch.Tensor] | None = None  # final gradients of step `version`
+    clip: float = 1.0
+
+
+@dataclass
+class Holdings:
+    """Everything this worker holds between generations."""
+
+    stages: dict[int, StageState] = field(default_factory=dict)
+
+    def report(self) -> list[Holding]:
+        return [
+            Holding(stage=s, version=st.version, ready=st.grads is not None)
+            for s, st in sorted(self.stages.items())
+        ]
+
+
+def stage_of_name(name: str, logical: list[int]) -> int:
+    layer = int(name.split(".", 1)[0])
+    for stage in range(len(logical) - 1):
+        if logical[stage] <= layer < logical[stage + 1]:
+            return stage
+    raise AssertionError(f"{name} is in no logical stage")
+
+
+def _opt_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    state = optimizer.state.get(p, {})
+    if not state:
+        # AdamW creates zeros at its first step: the same as loading zeros with step 0.
+        return {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+    return {k: state[k].detach().clone() for k in OPT_KEYS}
+
+
+def extract_holdings(engine: RedundantPipelineEngine, logical: list[int]) -> Holdings:
+    """Copy the own stages and the replica out of the engine (before it is dropped)."""
+    out = Holdings()
+    named = [(n, p) for n, p in engine.module.named_parameters()]
+    for name, p in named:
+        stage = stage_of_name(name, logical)
+        # Own gradients are clipped in place before the commit barrier: clip 1.0 here.
+        st = out.stages.setdefault(stage, StageState(engine.applied_steps, {}, {}, {} if engine.own_ready else None, 1.0))
+        st.params[name] = p.detach().clone()
+        st.opt[name] = _opt_state(engine.optimizer, p)
+        if st.grads is not None:
+            assert p.grad is not None
+            st.grads[name] = p.grad.detach().clone()
+    replica = engine.replica
+    if replica is not None:
+        grads: dict[str, torch.Tensor] | None = None
+        if engine.replica_ready and replica.flat_grads is not None:
+            grads = {}
+            offset = 0
+            for name, p in replica.named_params:
+                n = p.numel()
+                grads[name] = replica.flat_grads[offset : offset + n].view_as(p).clone()
+                offset += n
+        own_stages = set(out.stages)
+        for name, p in replica.named_params:
+            stage = stage_of_name(name, logical)
+            if stage in own_stages:
+                continue  # never: a replica holds another physical stage's layers
+            st = out.stages.setdefault(
+                stage, StageState(engine.replica_applied_steps, {}, {}, {} if grads is not None else None, engine.last_clip_coefficient)
+            )
+            st.params[name] = p.detach().clone()
+            st.opt[name] = _opt_state(replica.optimizer, p)
+            if st.grads is not None and grads is not None:
+                st.grads[name] = grads[name]
+    return out
+
+
+def roll_forward(st: StageState, optimizer_cls: type[torch.optim.Optimizer], hyper: dict[str, Any], lr: float) -> None:
+    """Apply the committed step this stage holds final gradients for (no communication)."""
+    assert st.grads is not None
+    names = sorted(st.params)
+    params = [torch.nn.Parameter(st.params[n].clone()) for n in names]
+    optimizer = optimizer_cls(params, **hyper)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    for n, p in zip(names, params):
+        optimizer.state[p] = {k: v.clone() for k, v in st.opt[n].items()}
+        p.grad = st.grads[n].clone()
+        if st.clip < 1.0:
+            p.grad.mul_(st.clip)
+    optimizer.step()
+    for n, p in zip(names, params):
+        st.params[n] = p.detach().clone()
+        st.opt[n] = {k: optimizer.state[p][k].detach().clone() for k in OPT_KEYS}
+    st.version += 1
+    st.grads = None
+
+
+def pack(st_names: list[tuple[str, torch.Size]], st: StageState) -> torch.Tensor:
+    parts = [st.params[n].reshape(-1) for n, _ in st_names]
+    for key in ("exp_avg", "exp_avg_sq"):
+        parts += [st.opt[n][key].reshape(-1) for n, _ in st_names]
+    parts += [st.opt[n]["step"].reshape(1).to(torch.float32) for n, _ in st_names]
+    return torch.cat(parts)
+
+
+def unpack(st_names: list[tuple[str, torch.Size]], flat: torch.Tensor, version: int) -> StageState:
+    st = StageState(version, {}, {})
+    offset = 0
+    sizes = [(n, shape, int(torch.Size(shape).numel())) for n, shape in st_names]
+    for n, shape, k in sizes:
+        st.params[n] = flat[offset : offset + k].view(shape).clone()
+        offset += k
+    for key in ("exp_avg", "exp_avg_sq"):
+        for n, shape, k in sizes:
+            st.opt.setdefault(n, {})[key] = flat[offset : offset + k].view(shape).clone()
+            offset += k
+    for n, _, _ in sizes:
+        st.opt[n]["step"] = flat[offset].clone()
+        offset += 1
+    assert offset == flat.numel()
+    return st
+
+
+def packed_numel(st_names: list[tuple[str, torch.Size]]) -> int:
+    return sum(3 * int(torch.Size(s).numel()) + 1 for _, s in st_names)
+
+
+class ElasticWorker:
+    """One preemptible worker process, driven by plans from the coordinator's store."""
+
+    def __init__(self, cfg: RunConfig, worker_id: str, store_addr: str, output: Path) -> None:
+        self.cfg = cfg
+        self.wid = worker_id
+        self.index = int(worker_id.lstrip("w"))
+        host, port = store_addr.rsplit(":", 1)
+        self.host, self.port = host, int(port)
+        timeout = timedelta(seconds=max(60.0, cfg.spotline.recovery.heartbeat_timeout_s * 4))
+        self.store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
+        self.output = output
+        self.holdings = Holdings()
+        self.leaving = False
+        self.injections = parse_injections(cfg.spotline.recovery.inject)
+        self.losses: dict[int, float] = {}
+        self.step_times: dict[int, float] = {}
+        self._hb_stop = threading.Event()
+        self.checkpoints = (
+            CheckpointWriter(self._ckpt_root(), cfg.spotline.checkpoints.keep)
+            if cfg.spotline.checkpoints.interval_steps > 0
+            else None
+        )
+        self.replica_checks = 0
+        self.replica_mismatches: list[dict[str, int]] = []
+        self.redundant_s = 0.0
+        self.replica_sync_s = 0.0
+
+    # -- plumbing ---------------------------------------------------------------------
+    def _ckpt_root(self) -> Path:
+        d = self.cfg.spotline.checkpoints.dir
+        return Path(d) if d else self.output / "checkpoints"
+
+    def _start_heartbeat(self) -> None:
+        hb_store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=30))
+        interval = max(0.05, self.cfg.spotline.recovery.heartbeat_timeout_s / 5)
+
+        def beat() -> None:
+            while not self._hb_stop.is_set():
+                try:
+                    hb_store.set(f"hb/{self.wid}", repr(time.time()))
+                    if self.leaving:
+                        hb_store.set(f"leaving/{self.wid}", "1")
+                except Exception:  # the coordinator is gone: nothing left to report to
+                    return
+                self._hb_stop.wait(interval)
+
+        threading.Thread(target=beat, name="spotline-heartbeat", daemon=True).start()
+
+    def _on_term(self, signum: int, frame: Any) -> None:
+        # A preemption notice: finish the step, leave at the next boundary, and in any
+        # case exit within the grace time.
+        self.leaving = True
+        grace = self.cfg.spotline.recovery.term_grace_s
+        threading.Timer(grace, lambda: os._exit(0)).start()
+
+    def _get_json(self, key: str) -> Any:
+        self.store.wait([key])
+        return json.loads(self.store.get(key).decode())
+
+    # -- main loop --------------------------------------------------------------------
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_term)
+        sl = self.cfg.spotline
+        configure_process(intra_op_threads=sl.determinism.intra_op_threads, deterministic=sl.determinism.enabled)
+        seed_everything(sl.training.seed)
+        from spotline.trainer import prepare_inputs, quiet_libraries
+
+        quiet_libraries()
+        self.hf_config, self.corpus = prepare_inputs(self.cfg)
+        self.logical = models.logical_parts(self.hf_config, self.cfg.num_stages)
+        self.sampler = GlobalSampler(
+            num_samples=len(self.corpus),
+            num_logical_workers=self.cfg.num_pipelines,
+            micro_batch_size=self.cfg.micro_batch_size,
+            num_micro_batches=self.cfg.num_micro_batches,
+            seed=sl.training.seed,
+        )
+        self._start_heartbeat()
+        self.store.set(f"joined/{self.wid}", "1")
+        generation = int(self._get_json(f"entry/{self.wid}"))
+        while True:
+            plan = self._get_json(f"plan/{generation}")
+            if plan["action"] == "finish":
+                break
+            outcome = "standby"
+            layout = _layout_from_json(plan["layout"]) if plan["layout"] else None
+            if plan["action"] == "restore":
+                self._restore_checkpoint(plan["checkpoint_step"])
+            if layout is not None and self.wid in layout.members:
+                outcome = self._run_generation(generation, plan, layout)
+            self._report(generation, outcome, layout)
+            if self.leaving:
+                break
+            generation += 1
+        self._hb_stop.set()
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+        return 0
+
+    def _report(self, generation: int, outcome: str, layout: Layout | None) -> None:
+        previous = None
+        if layout is not None and self.wid in layout.members:
+            previous = list(layout.slot_of(self.wid))
+        report = {
+            "worker": self.wid,
+            "outcome": outcome if not self.leaving else "leaving",
+            "holdings": [[h.stage, h.version, h.ready] for h in self.holdings.report()],
+            "previous_slot": previous,
+            "losses": {str(k): v for k, v in self.losses.items()},
+            "step_times": {str(k): v for k, v in self.step_times.items()},
+            "peak_rss_mib": peak_rss_mib(),
+            "replica_checks": self.replica_checks,
+            "replica_mismatches": self.replica_mismatches,
+            "redundant_compute_s": self.redundant_s,
+            "replica_sync_s": self.replica_sync_s,
+        }
+        self.store.set(f"report/{generation}/{self.wid}", json.dumps(report))
+
+    # -- one generation ---------------------------------------------------------------
+    def _run_generation(self, generation: int, plan: dict[str, Any], layout: Layout) -> str:
+        sl = self.cfg.spotline
+        resume = int(plan["resume_step"])
+        self._roll_forward_to(resume)
+        rank = layout.rank_of(self.wid)
+        world = len(layout.members)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        t0 = time.perf_counter()
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(f"pg/{generation}", self.store),
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=sl.recovery.collective_timeout_s),
+        )
+        import deepspeed
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+        outcome = "failed"
+        try:
+            engine = self._build_engine(layout)
+            self._load_state(engine, layout, plan)
+            self.store.set(f"ready/{generation}/{self.wid}", repr(time.perf_counter() - t0))
+            outcome = self._train(engine, generation, resume)
+        except (RuntimeError, dist.DistBackendError, ConnectionError) as exc:
+            # A peer died or left mid-step; what this process holds survives in memory.
+            self._note(f"generation {generation}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+            outcome = "failed"
+        # Outside the except block: the traceback (and the engine it references) is gone.
+        self._teardown()
+        return outcome
+
+    def _note(self, text: str) -> None:
+        print(f"[spotline {self.wid}] {text}", flush=True)
+
+    def _build_engine(self, layout: Layout) -> RedundantPipelineEngine:
+        from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
+
+        sl = self.cfg.spotline
+        topology = PipeDataParallelTopology(num_pp=layout.num_physical_stages, num_dp=layout.num_pipelines)
+        module = models.build_pipeline_module(
+            self.hf_config,
+            layout.num_physical_stages,
+            seed=sl.training.seed,
+            activation_checkpoint_interval=sl.model.activation_checkpoint_interval,
+            topology=topology,
+            parts=models.physical_parts(self.logical, layout.groups),
+        )
+        ds_config = deepspeed_config_for(self.cfg.deepspeed, num_pipelines=layout.num_pipelines)
+        engine = build_engine(
+            module,
+            ds_config,
+            RedundantPipelineEngine,
+            redundancy=sl.redundancy.mode,
+            replica_device=sl.redundancy.replica_device,
+        )
+        engine.batch_source = lambda step, worker, mb: self.corpus.batch(self.sampler.indices(step, worker, mb))
+        self._engine = engine
+        return engine
+
+    def _optimizer_recipe(self, engine: RedundantPipelineEngine) -> tuple[type[torch.optim.Optimizer], dict[str, Any], float]:
+        opt = engine.optimizer
+        accepted = inspect.signature(type(opt).__init__).parameters
+        hyper = {k: v for k, v in opt.defaults.items() if k in accepted}
+        return type(opt), hyper, float(opt.param_groups[0]["lr"])
+
+    def _roll_forward_to(self, resume: int) -> None:
+        recipe = getattr(self, "_recipe", None)
+        for stage, st in sorted(self.holdings.stages.items()):
+            if st.version == resume - 1 and st.grads is not None:
+                assert recipe is not None
+                roll_forward(st, *recipe)
+            if st.version != resume:
+                # Stale (older than the committed step): useless, drop it.
+                del self.holdings.stages[stage]
+            else:
+                st.grads = None
+
+    def _load_state(self, engine: RedundantPipelineEngine, layout: Layout, plan: dict[str, Any]) -> None:
+        """Own stages from memory or from the plan's source; replicas by a ring transfer."""
+        self._recipe = self._optimizer_recipe(engine)
+        holders = {int(s): ws for s, ws in plan["holders"].items()}
+        sources = {int(s): w for s, w in plan["sources"]}
+        fresh = not holders  # generation 0: everyone starts from the initial weights
+        own_names = self._names_by_stage(engine.module.named_parameters())
+        ops: list[dist.P2POp] = []
+        incoming: list[tuple[int, torch.Tensor]] = []
+        if not fresh:
+            # Every member computes the same transfer list from the plan.
+            for member in layout.members:
+                for stage in layout.stages_of(member):
+                    if member in holders[stage]:
+                        continue
+                    src = sources[stage]
+                    if src == self.wid:
+                        names = self._names_for_stage_from_holdings(stage)
+                        ops.append(dist.P2POp(dist.isend, pack(names, self.holdings.stages[stage]), layout.rank_of(member)))
+                    if member == self.wid:
+                        buf = torch.empty(packed_numel(own_names[stage]))
+                        ops.append(dist.P2POp(dist.irecv, buf, layout.rank_of(src)))
+                        incoming.append((stage, buf))
+            if ops:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+            for stage, buf in incoming:
+                self.holdings.stages[stage] = unpack(own_names[stage], buf, int(plan["resume_step"]))
+            params = dict(engine.module.named_parameters())
+            for stage, names in own_names.items():
+                st = self.holdings.stages[stage]
+                for name, _ in names:
+                    with torch.no_grad():
+                        params[name].copy_(st.params[name])
+                    engine.optimizer.state[params[name]] = {k: v.clone() for k, v in st.opt[name].items()}
+        resume = int(plan["resume_step"])
+        engine.applied_steps = resume
+        engine.global_steps = resume
+        # Replicas: each physical stage sends its whole state to its predecessor.
+        if engine.replica is not None:
+            mine = self._names_by_stage(engine.module.named_parameters())
+            my_state = self._engine_stage_state(engine)
+            flat_out = torch.cat([pack(mine[s], my_state[s]) for s in sorted(mine)])
+            rep_names = self._names_by_stage(engine.replica.named_params)
+            flat_in = torch.empty(sum(packed_numel(rep_names[s]) for s in sorted(rep_names)))
+            pred = engine._peer(engine.stage_id - 1)
+            succ = engine._peer(engine.stage_id + 1)
+            for work in dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, flat_out, pred), dist.P2POp(dist.irecv, flat_in, succ)]
+            ):
+                work.wait()
+            offset = 0
+            rparams = dict(engine.replica.named_params)
+            for stage in sorted(rep_names):
+                n = packed_numel(rep_names[stage])
+                st = unpack(rep_names[stage], flat_in[offset : offset + n], resume)
+                offset += n
+                for name, _ in rep_names[stage]:
+                    with torch.no_grad():
+                        rparams[name].copy_(st.params[name])
+                    engine.replica.optimizer.state[rparams[name]] = {k: v.clone() for k, v in st.opt[name].items()}
+            engine.replica_applied_steps = resume
+        self.holdings = Holdings()  # the engine holds it all now
+
+    def _names_by_stage(self, named: Any) -> dict[int, list[tuple[str, torch.Size]]]:
+        out: dict[int, list[tuple[str, torch.Size]]] = {}
+        for name, p in named:
+            out.setdefault(stage_of_name(name, self.logical), []).append((name, p.shape))
+        return {s: sorted(v) for s, v in out.items()}
+
+    def _names_for_stage_from_holdings(self, stage: int) -> list[tuple[str, torch.Size]]:
+        st = self.holdings.stages[stage]
+        return sorted((n, t.shape) for n, t in st.params.items())
+
+    def _engine_stage_state(self, engine: RedundantPipelineEngine) -> dict[int, StageState]:
+        out: dict[int, StageState] = {}
+        for name, p in engine.module.named_parameters():
+            st = out.setdefault(stage_of_name(name, self.logical), StageState(engine.applied_steps, {}, {}))
+            st.params[name] = p.detach()
+            st.opt[name] = _opt_state(engine.optimizer, p)
+        return out
+
+    def _train(self, engine: RedundantPipelineEngine, generation: int, resume: int) -> str:
+        sl = self.cfg.spotline
+        pipeline = int(engine.grid.data_parallel_id)
+        current = {"step": resume}
+
+        def phase_hook(phase: str) -> None:
+            for inj in self.injections:
+                if inj.signal in ("kill", "term") and inj.worker == self.index and inj.step == current["step"] and (inj.phase or "forward") == phase:
+                    os.kill(os.getpid(), signal.SIGKILL if inj.signal == "kill" else signal.SIGTERM)
+
+        engine.phase_hook = phase_hook
+        from spotline.engine import step_batches
+
+        for step in range(resume, sl.training.steps):
+            current["step"] = step
+            self.store.set(f"progress/{generation}/{self.wid}", str(step))
+            if self._should_stop(generation, step):
+                self._save_holdings(engine)
+                return "boundary"
+            t0 = time.perf_counter()
+            engine.begin_step(seed=sl.training.seed, step=step, logical_worker=pipeline)
+            loss = engine.train_batch(
+                data_iter=step_batches(engine.batch_source, step=step, logical_worker=pipeline, num_micro_batches=self.cfg.num_micro_batches)
+            )
+            self.losses[step] = float(loss)
+            self.step_times[step] = time.perf_counter() - t0
+            if sl.redundancy.verify_replicas and engine.replica is not None:
+                self._verify_replicas(engine, step)
+            self._maybe_checkpoint(engine, step + 1)
+        self._save_holdings(engine)
+        self._finish(engine, generation)
+        return "done"
+
+    def _verify_replicas(self, engine: RedundantPipelineEngine, step: int) -> None:
+        assert engine.replica is not None
+        mine = (engine.stage_id, engine.own_digest(), engine.replica.stage, engine.replica_digest())
+        group = engine.grid.get_pipe_parallel_group()
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, mine, group=group)
+        owners = {stage: digest for stage, digest, _, _ in gathered}
+        self.replica_checks += 1
+        for _, _, stage, digest in gathered:
+            if owners[stage] != digest:
+                self.replica_mismatches.append({"step": step, "stage": stage})
+
+    def _should_stop(self, generation: int, step: int) -> bool:
+        key = f"stop/{generation}"
+        if self.store.check([key]):
+            return step >= int(self.store.get(key).decode())
+        return False
+
+    def _save_holdings(self, engine: RedundantPipelineEngine) -> None:
+        self.holdings = extract_holdings(engine, self.logical)
+        self._recipe = self._optimizer_recipe(engine)
+
+    def _teardown(self) -> None:
+        """Copy state out (if the engine still exists), then release every group reference."""
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            self.redundant_s += engine.redundant_s
+            self.replica_sync_s += engine.replica_sync_s
+            if not self.holdings.stages:
+                self.holdings = extract_holdings(engine, self.logical)
+                self._recipe = self._optimizer_recipe(engine)
+            self._engine = None
+            del engine
+        from deepspeed.runtime.pipe import p2p
+
+        p2p._groups = None
+        p2p._grid = None
+        try:
+            import deepspeed.comm
+
+            deepspeed.comm.destroy_process_group()
+        except Exception:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        gc.collect()
+
+    def _maybe_checkpoint(self, engine: RedundantPipelineEngine, step: int) -> None:
+        interval = self.cfg.spotline.checkpoints.interval_steps
+        if self.checkpoints is None or step % interval != 0:
+            return
+        if engine.grid.data_parallel_id != 0:
+            return  # data-parallel peers hold identical state: pipeline 0 writes it
+        state = self._engine_stage_state(engine)
+        for stage, st in state.items():
+            payload: dict[str, Any] = {"version": st.version}
+            for name in st.params:
+                payload[f"param/{name}"] = st.params[name]
+                for key, value in st.opt[name].items():
+                    payload[f"{key}/{name}"] = value
+            # Written by a background thread; the coordinator commits the step (writes its
+            # manifest) once every stage's file is there.
+            self.checkpoints.save_async(step, f"stage-{stage}", payload)
+
+    def _restore_checkpoint(self, step: int) -> None:
+        """Fatal loss: every logical stage from the last complete checkpoint on disk."""
+        files = load_all(self._ckpt_root(), step)
+        self.holdings = Holdings()
+        for label, payload in files.items():
+            stage = int(label.split("-")[1])
+            st = StageState(int(payload["version"]), {}, {})
+            for key, value in payload.items():
+                if key == "version":
+                    continue
+                kind, name = key.split("/", 1)
+                if kind == "param":
+                    st.params[name] = value
+                else:
+                    st.opt.setdefault(name, {})[kind] = value
+            self.holdings.stages[stage] = st
+
+    def _finish(self, engine: RedundantPipelineEngine, generation: int) -> None:
+        """Rank 0 of the last generation gathers the parameters, hashes and exports them."""
+        mine: dict[str, torch.Tensor] = {}
+        if engine.grid.data_parallel_id == 0:
+            mine = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+        gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+        dist.gather_object(mine, gathered, dst=0)
+        if gathered is not None:
+            full: dict[str, torch.Tensor] = {}
+            for part in gathered:
+                full.update(part)
+            hf = models.layer_names_to_hf(full, self.hf_config)
+            models.save_pretrained(models.hf_to_layer_names(hf, self.hf_config), self.hf_config, str(self.output / "model"))
+            self.store.set("final/param_sha256", param_sha256(models.drop_tied_aliases(hf, self.hf_config)))
+        dist.barrier()
+
+
+def _layout_from_json(raw: dict[str, Any]) -> Layout:
+    return Layout(
+        num_stages=raw["num_stages"],
+        num_pipelines=raw["num_pipelines"],
+        groups=tuple(tuple(g) for g in raw["groups"]),
+        slots=tuple(tuple(r) for r in raw["slots"]),
+        standby=tuple(raw["standby"]),
+    )
+
+
+def layout_to_json(layout: Layout) -> dict[str, Any]:
+    return {
+        "num_stages": layout.num_stages,
+        "num_pipelines": layout.num_pipelines,
+        "groups": [list(g) for g in layout.groups],
+        "slots": [list(r) for r in layout.slots],
+        "standby": list(layout.standby),
+    }
+
+
+def main() -> int:
+    import argparse
+
+    from spotline.config import load_config
+    from spotline.errors import UserError
+
+    parser = argparse.ArgumentParser(prog="spotline-elastic-worker")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--worker-id", required=True)
+    parser.add_argument("--store", required=True)
+    args = parser.parse_args()
+    try:
+        worker = ElasticWorker(load_config(args.config), args.worker_id, args.store, Path(args.output))
+        return worker.run()
+    except UserError as exc:
+        print(f"spotline: error: {exc}", flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,364 @@
+"""What faults a local run receives, as data: step-pinned injections and timed trace replays.
+
+Two ways to disturb a local run, both decided before it starts so a run is reproducible:
+
+Injections (:class:`Injection`, :func:`parse_injection`)
+    ``--inject SIGNAL:STEP:WORKER[:PHASE]`` sends ``SIGKILL`` (``kill``) or ``SIGTERM``
+    (``term``, a preemption notice with a grace period) to local worker ``WORKER`` when it
+    reaches step ``STEP``; with ``PHASE`` (forward, backward, send, recv, optimizer) in the
+    middle of that phase of the step, without it at the step boundary (before the step's
+    first instruction). ``--inject add:STEP`` starts one new local worker at the boundary of
+    step ``STEP``. The coordinator and the engine ask :func:`injections_at` which injections
+    fire where they stand.
+Timed events (:class:`TimedEvent`, :func:`trace_events`, :func:`random_preemptions`)
+    A preemption trace (:mod:`spotline.plan.traces`) replayed in wall-clock time against at
+    most ``max_workers`` local workers: "at ``at_s`` seconds, remove (or add) ``count``
+    local workers". Which workers a removal hits is the coordinator's choice, not this
+    module's: the trace names cloud nodes, not local ranks.
+
+The replay rules, all in :func:`replay_trace`:
+
+- A trace whose peak exceeds ``max_workers`` is scaled down with
+  :func:`spotline.plan.traces.scale_trace`, which keeps every drop as at least one removal
+  and every rise as at least one arrival.
+- The start of the replay is the trace's first event time (traces often begin with hours of
+  nothing, e.g. an availability log at level 0). The live count once every event of that
+  instant is applied is the **initial** number of local workers: the starting state, not an
+  event. Wall time 0 is that instant.
+- Trace time maps to wall time as ``at_s = (t_s - t_first) / time_scale``: ``time_scale``
+  is trace seconds per wall second (60 replays an hour of trace in a minute).
+- Events of one trace instant merge into at most two :class:`TimedEvent`: the removals first,
+  then the arrivals, so the local worker count never exceeds ``max_workers`` even for a
+  replacement that arrives in the same millisecond as the preemption it replaces.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import signal
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from spotline.errors import UserError
+from spotline.plan.traces import Trace, scale_trace, synthetic_trace
+
+Signal = Literal["kill", "term", "add"]
+Removal = Literal["kill", "term"]
+Phase = Literal["forward", "backward", "send", "recv", "optimizer"]
+TimedKind = Literal["remove", "add"]
+
+PHASES: tuple[Phase, ...] = ("forward", "backward", "send", "recv", "optimizer")
+REMOVALS: tuple[Removal, ...] = ("kill", "term")
+INJECT_FORM = "SIGNAL:STEP:WORKER[:PHASE] with SIGNAL kill or term, or add:STEP"
+"""The expected form of ``--inject``, quoted by every parse error."""
+
+_INTEGER_RE = re.compile(r"^[0-9]+$")
+
+
+@dataclass(frozen=True)
+class Injection:
+    """One fault pinned to a step: ``signal`` (kill, term) sent to local ``worker`` at
+    ``step`` (in ``phase``, or at the step boundary when ``phase`` is None), or one worker
+    added (``add``: ``worker`` and ``phase`` are None) at the boundary of ``step``.
+
+    Made by :func:`parse_injection`; matched by :func:`injections_at`.
+    """
+
+    signal: Signal
+    step: int
+    worker: int | None
+    phase: Phase | None = None
+
+    def __post_init__(self) -> None:
+        if self.signal not in ("kill", "term", "add"):
+            raise ValueError(f"injection signal must be kill, term or add, got {self.signal!r}")
+        if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
+            raise ValueError(f"injection step must be an integer >= 0, got {self.step!r}")
+        if self.signal == "add":
+            if self.worker is not None or self.phase is not None:
+                raise ValueError("an add injection names no worker and no phase")
+        else:
+            if isinstance(self.worker, bool) or not isinstance(self.worker, int):
+                raise ValueError(
+                    f"a {self.signal} injection needs a worker index, got {self.worker!r}"
+                )
+            if self.worker < 0:
+                raise ValueError(f"injection worker must be >= 0, got {self.worker}")
+            if self.phase is not None and self.phase not in PHASES:
+                raise ValueError(f"injection phase must be one of {PHASES}, got {self.phase!r}")
+
+    def __str__(self) -> str:
+        """The ``--inject`` text that parses back to this injection."""
+        if self.signal == "add":
+            return f"add:{self.step}"
+        text = f"{self.signal}:{self.step}:{self.worker}"
+        return text if self.phase is None else f"{text}:{self.phase}"
+
+
+def _bad_injection(text: str, why: str) -> UserError:
+    return UserError(f"--inject {text!r}: {why}; expected {INJECT_FORM}")
+
+
+def _parse_index(text: str, field_text: str, name: str) -> int:
+    # Only plain decimal digits: int() would also take "+3", " 3", "3_0" and "٣".
+    if not _INTEGER_RE.match(field_text):
+        raise _bad_injection(text, f"{name} must be a non-negative integer")
+    return int(field_text)
+
+
+def parse_injection(text: str) -> Injection:
+    """Parse one ``--inject`` value: ``kill|term:STEP:WORKER[:PHASE]`` or ``add:STEP``.
+
+    Surrounding whitespace is ignored; everything else is exact (lower-case names, decimal
+    integers). Malformed text raises :class:`spotline.errors.UserError` (a ValueError) with
+    one line naming the text and the expected form.
+    """
+    fields = text.strip().split(":")
+    signal_text = fields[0]
+    if signal_text == "add":
+        if len(fields) != 2:
+            raise _bad_injection(text, "add takes only a STEP")
+        return Injection("add", _parse_index(text, fields[1], "STEP"), None, None)
+    if signal_text not in REMOVALS:
+        raise _bad_injection(text, f"unknown SIGNAL {signal_text!r}")
+    if len(fields) not in (3, 4):
+        raise _bad_injection(text, f"{signal_text} takes STEP:WORKER and an optional PHASE")
+    step = _parse_index(text, fields[1], "STEP")
+    worker = _parse_index(text, fields[2], "WORKER")
+    phase: Phase | None = None
+    if len(fields) == 4:
+        phase = _phase(text, fields[3])
+    removal: Removal = "kill" if signal_text == "kill" else "term"
+    return Injection(removal, step, worker, phase)
+
+
+def _phase(text: str, phase_text: str) -> Phase:
+    for phase in PHASES:
+        if phase == phase_text:
+            return phase
+    raise _bad_injection(text, f"PHASE must be one of {', '.join(PHASES)}, got {phase_text!r}")
+
+
+def parse_injections(texts: Iterable[str]) -> tuple[Injection, ...]:
+    """Parse every ``--inject`` value of a command line, sorted by step (stable).
+
+    Two kill/term injections of the same worker at the same step and phase are a UserError
+    (the second could never fire). Several ``add`` at one step add that many workers.
+    """
+    injections = [parse_injection(text) for text in texts]
+    seen: set[tuple[int, int | None, Phase | None]] = set()
+    for injection in injections:
+        if injection.signal == "add":
+            continue
+        key = (injection.step, injection.worker, injection.phase)
+        if key in seen:
+            raise UserError(
+                f"--inject {str(injection)!r}: worker {injection.worker} already receives a "
+                f"signal at step {injection.step}; give each worker one fault per step and phase"
+            )
+        seen.add(key)
+    return tuple(sorted(injections, key=lambda injection: injection.step))
+
+
+def check_injections(injections: Iterable[Injection], *, num_workers: int, num_steps: int) -> None:
+    """UserError unless every injection fits the run: step < ``num_steps`` and (for kill/term)
+    worker < ``num_workers``, the number of local workers at the start. Pairs with the CLI,
+    which knows both only after reading the config."""
+    for injection in injections:
+        if injection.step >= num_steps:
+            raise UserError(
+                f"--inject {str(injection)!r}: step {injection.step} is past the run's last "
+                f"step {num_steps - 1}; use a step below {num_steps}"
+            )
+        if injection.worker is not None and injection.worker >= num_workers:
+            raise UserError(
+                f"--inject {str(injection)!r}: worker {injection.worker} does not exist; the run "
+                f"starts {num_workers} workers (0 to {num_workers - 1})"
+            )
+
+
+def injections_at(
+    injections: Iterable[Injection],
+    step: int,
+    phase: Phase | None,
+    worker: int | None,
+) -> list[Injection]:
+    """The injections that fire at ``step`` in ``phase`` (None: the step boundary) for
+    ``worker`` (None: the ``add`` injections, which belong to no worker). Exact match on all
+    three, in the given order. The engine asks with its own worker index and phase; the
+    coordinator asks with ``phase=None`` for boundary kills and ``worker=None`` for adds."""
+    return [
+        injection
+        for injection in injections
+        if injection.step == step and injection.phase == phase and injection.worker == worker
+    ]
+
+
+def injections_for_step(injections: Iterable[Injection], step: int) -> list[Injection]:
+    """Every injection of ``step``, whatever its worker or phase, in the given order."""
+    return [injection for injection in injections if injection.step == step]
+
+
+def signal_number(how: Removal) -> int:
+    """The POSIX signal that delivers a removal: SIGKILL for ``kill``, SIGTERM for ``term``."""
+    if how == "kill":
+        return int(signal.SIGKILL)
+    if how == "term":
+        return int(signal.SIGTERM)
+    raise ValueError(f"removal must be 'kill' or 'term', got {how!r}")
+
+
+@dataclass(frozen=True)
+class TimedEvent:
+    """At ``at_s`` wall seconds after the run started, remove (``how``: kill or term) or add
+    (``how`` None) ``count`` local workers. Made by :func:`trace_events` and
+    :func:`random_preemptions`; the coordinator picks which workers."""
+
+    at_s: float
+    kind: TimedKind
+    how: Removal | None
+    count: int
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.at_s) or self.at_s < 0:
+            raise ValueError(f"at_s must be finite and >= 0, got {self.at_s}")
+        if self.kind == "remove":
+            if self.how not in REMOVALS:
+                raise ValueError(f"a remove event needs how 'kill' or 'term', got {self.how!r}")
+        elif self.kind == "add":
+            if self.how is not None:
+                raise ValueError(f"an add event has no how, got {self.how!r}")
+        else:
+            raise ValueError(f"event kind must be 'remove' or 'add', got {self.kind!r}")
+        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 1:
+            raise ValueError(f"count must be an integer >= 1, got {self.count!r}")
+
+
+@dataclass(frozen=True)
+class TraceReplay:
+    """A trace replayed on local workers: start ``initial_workers`` workers (the starting
+    state), then apply ``events`` at their wall times; the replay ends at ``duration_s`` wall
+    seconds. ``source`` says which trace (and any scaling) it came from."""
+
+    initial_workers: int
+    events: tuple[TimedEvent, ...]
+    duration_s: float
+    source: str
+
+
+def _check_time_scale(time_scale: float) -> None:
+    if isinstance(time_scale, bool) or not math.isfinite(time_scale) or time_scale <= 0:
+        raise ValueError(
+            f"time_scale must be finite and > 0 (trace seconds per wall second), got {time_scale}"
+        )
+
+
+def replay_trace(
+    trace: Trace, *, max_workers: int, time_scale: float, removal: Removal
+) -> TraceReplay:
+    """Replay ``trace`` on at most ``max_workers`` local workers (rules in the module
+    docstring): the initial worker count, and the later removals (sent as ``removal``) and
+    arrivals at wall times. ValueError on a non-positive ``max_workers`` or ``time_scale``,
+    an unknown ``removal``, or a trace in which no node is ever live."""
+    if isinstance(max_workers, bool) or not isinstance(max_workers, int) or max_workers < 1:
+        raise ValueError(f"max_workers must be an integer >= 1, got {max_workers!r}")
+    _check_time_scale(time_scale)
+    if removal not in REMOVALS:
+        raise ValueError(f"removal must be 'kill' or 'term', got {removal!r}")
+    scaled = scale_trace(trace, max_workers)
+    if not scaled.events:
+        raise ValueError(f"trace {trace.source or '(unnamed)'} holds no events; nothing to replay")
+    start_t = scaled.events[0].t_s
+    initial = 0
+    # Per trace instant: (removals, arrivals), in time order.
+    instants: list[tuple[float, int, int]] = []
+    for event in scaled.events:
+        if event.t_s == start_t:
+            initial += 1 if event.kind == "add" else -1
+            continue
+        if not instants or instants[-1][0] != event.t_s:
+            instants.append((event.t_s, 0, 0))
+        t_s, removals, arrivals = instants[-1]
+        if event.kind == "remove":
+            instants[-1] = (t_s, removals + 1, arrivals)
+        else:
+            instants[-1] = (t_s, removals, arrivals + 1)
+    if initial < 1:
+        # A first instant that only removes cannot happen in a consistent trace, and one
+        # whose adds and removes cancel leaves the run nothing to start on.
+        raise ValueError(
+            f"trace {trace.source or '(unnamed)'} has no live node after its first instant; "
+            "a local run needs at least one worker to start"
+        )
+    events: list[TimedEvent] = []
+    for t_s, removals, arrivals in instants:
+        at_s = (t_s - start_t) / time_scale
+        if removals:
+            events.append(TimedEvent(at_s, "remove", removal, removals))
+        if arrivals:
+            events.append(TimedEvent(at_s, "add", None, arrivals))
+    return TraceReplay(
+        initial_workers=initial,
+        events=tuple(events),
+        duration_s=(scaled.duration_s - start_t) / time_scale,
+        source=scaled.source,
+    )
+
+
+def trace_events(
+    trace: Trace, *, max_workers: int, time_scale: float, removal: Removal
+) -> list[TimedEvent]:
+    """The timed events of :func:`replay_trace` (whose ``initial_workers`` is the starting
+    state and not among them)."""
+    return list(
+        replay_trace(trace, max_workers=max_workers, time_scale=time_scale, removal=removal).events
+    )
+
+
+def random_preemptions(
+    rate_per_worker_hour: float,
+    num_workers: int,
+    duration_s: float,
+    seed: int,
+    time_scale: float,
+    replace_after_s: float,
+    *,
+    removal: Removal = "kill",
+) -> list[TimedEvent]:
+    """Poisson preemptions of ``num_workers`` local workers, as timed events.
+
+    Every quantity but ``time_scale`` is in trace (cloud) time, as for a recorded trace: each
+    worker is preempted after an exponential lifetime of rate ``rate_per_worker_hour`` per
+    hour, a replacement arrives ``replace_after_s`` later, the run lasts ``duration_s``. It is
+    :func:`spotline.plan.traces.synthetic_trace` replayed with :func:`trace_events` (so wall
+    time is trace time / ``time_scale``; all ``num_workers`` are the starting state).
+    Deterministic for a given ``seed``. ValueError on negative or non-finite inputs.
+    """
+    _check_time_scale(time_scale)
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be an integer >= 1, got {num_workers!r}")
+    for name, value in (
+        ("rate_per_worker_hour", rate_per_worker_hour),
+        ("duration_s", duration_s),
+        ("replace_after_s", replace_after_s),
+    ):
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    trace = synthetic_trace(num_workers, rate_per_worker_hour, duration_s, seed, replace_after_s)
+    return trace_events(trace, max_workers=num_workers, time_scale=time_scale, removal=removal)
+
+
+def live_workers_over_time(
+    initial_workers: int, events: Sequence[TimedEvent]
+) -> list[tuple[float, int]]:
+    """The local worker count as a step function ``[(at_s, count), ...]``: ``(0.0,
+    initial_workers)`` then the count after each event, in event order. For checks and
+    plots of a replay."""
+    points = [(0.0, initial_workers)]
+    count = initial_workers
+    for event in events:
+        count += event.count if event.kind == "add" else -event.count
+        points.append((event.at_s, count))
+    return points

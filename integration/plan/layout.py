@@ -1,0 +1,264 @@
+"""How the runtime lays the logical topology onto live workers, generation after generation.
+
+The logical topology (``num_stages`` logical stages x ``num_pipelines`` pipelines) never
+changes. A *generation* is one process group over the live members; its :class:`Layout`
+says which contiguous logical stages each physical stage runs (``groups``; merged after a
+loss, Bamboo's "predecessor takes over") and which worker runs each (pipeline, physical
+stage). DeepSpeed's engine needs the same physical stages in every pipeline, so a merge
+applies to all pipelines, and workers left over wait as standby.
+
+Rules (all deterministic; pure code, no torch):
+
+- Committed step. Every worker reports, for each logical stage whose state it holds, the
+  number of optimizer steps applied to it and whether it holds that step's reduced
+  gradients ("ready"). The optimizer step is a commit: it runs only after a global barrier
+  that every rank passes after the gradient exchange, so if anyone applied step k, every
+  rank was ready for it. The committed step ``V`` is the highest applied count; a holding
+  at ``V - 1`` that is ready rolls forward; a stage with no holding at ``V`` (or at
+  ``V - 1`` and ready) is lost: a fatal loss, recovered from the last checkpoint.
+- Data-parallel peers hold identical stage state, so any holder is a source for any
+  pipeline's copy of that stage.
+- Shape. ``S' = min(num_stages, live workers // num_pipelines)`` physical stages; with
+  fewer workers than pipelines the job waits for workers.
+- Grouping and assignment. Among all contiguous groupings of the logical stages into
+  ``S'`` physical stages, choose the one whose greedy assignment moves the least state
+  (counted in logical stages a worker must receive); ties: fewer logical stages in the
+  largest group, then the lexicographically first grouping. Slots are filled in (physical
+  stage, pipeline) order, each with the unassigned worker that lacks the fewest of the
+  slot's stages, preferring the worker that ran the same slot before, then worker order.
+- Every logical stage's state must be held by some member (standbys are not in the
+  process group); a member is swapped for a holder if needed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One logical stage's state on one worker: ``version`` steps applied; ``ready``: it also
+    holds the reduced gradients of step ``version`` (so it can apply that step)."""
+
+    stage: int
+    version: int
+    ready: bool
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """What a live worker says at a generation boundary (or on joining: no holdings)."""
+
+    worker: str
+    holdings: tuple[Holding, ...] = ()
+    previous_slot: tuple[int, int] | None = None  # (pipeline, physical stage) last generation
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Physical stages (groups of logical stages) and the worker on each slot."""
+
+    num_stages: int
+    num_pipelines: int
+    groups: tuple[tuple[int, ...], ...]
+    slots: tuple[tuple[str, ...], ...]  # [pipeline][physical stage] -> worker
+    standby: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        flat = [s for g in self.groups for s in g]
+        assert flat == list(range(self.num_stages)), f"groups {self.groups} must cover stages in order"
+        assert len(self.slots) == self.num_pipelines
+        assert all(len(row) == len(self.groups) for row in self.slots)
+        workers = [w for row in self.slots for w in row]
+        assert len(set(workers)) == len(workers), f"a worker holds two slots: {self.slots}"
+
+    @property
+    def num_physical_stages(self) -> int:
+        return len(self.groups)
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        """Workers in rank order: DeepSpeed's pipe-major topology, rank = stage * P + pipeline."""
+        return tuple(
+            self.slots[pipeline][stage]
+            for stage in range(self.num_physical_stages)
+            for pipeline in range(self.num_pipelines)
+        )
+
+    def rank_of(self, worker: str) -> int:
+        return self.members.index(worker)
+
+    def slot_of(self, worker: str) -> tuple[int, int]:
+        for pipeline, row in enumerate(self.slots):
+            if worker in row:
+                return pipeline, row.index(worker)
+        raise KeyError(worker)
+
+    def stages_of(self, worker: str) -> tuple[int, ...]:
+        return self.groups[self.slot_of(worker)[1]]
+
+    def describe(self, worker: str) -> str:
+        """``"p0:s1+s2"`` for a member, ``"standby"`` otherwise (for timelines)."""
+        if worker in self.standby or worker not in self.members:
+            return "standby"
+        pipeline, _ = self.slot_of(worker)
+        return f"p{pipeline}:" + "+".join(f"s{s}" for s in self.stages_of(worker))
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """The coordinator's decision for one generation. ``layout`` None: waiting for workers."""
+
+    generation: int
+    layout: Layout | None
+    resume_step: int
+    sources: tuple[tuple[int, str], ...]  # (logical stage, member that provides its state)
+    reason: str
+
+
+@dataclass(frozen=True)
+class FatalLoss:
+    """Some logical stage's state survives nowhere: fall back to the last checkpoint."""
+
+    lost_stages: tuple[int, ...]
+    reason: str
+
+
+def contiguous_groupings(num_stages: int, num_groups: int) -> Iterator[tuple[tuple[int, ...], ...]]:
+    """Every way to cut stages 0..S-1 into ``num_groups`` contiguous non-empty groups."""
+    assert 1 <= num_groups <= num_stages
+    for cuts in itertools.combinations(range(1, num_stages), num_groups - 1):
+        bounds = (0, *cuts, num_stages)
+        yield tuple(tuple(range(bounds[i], bounds[i + 1])) for i in range(num_groups))
+
+
+def initial_layout(num_stages: int, num_pipelines: int, workers: Sequence[str]) -> Layout | None:
+    """Generation 0: pipeline p stage s on ``workers[p * S + s]``; extras stand by."""
+    reports = [WorkerReport(w) for w in workers]
+    return choose_layout(num_stages, num_pipelines, reports, usable={})
+
+
+def committed_state(
+    reports: Sequence[WorkerReport], num_stages: int
+) -> tuple[int, dict[int, list[str]]] | FatalLoss:
+    """The committed step and, per logical stage, the workers holding it at that step."""
+    versions = [h.version for r in reports for h in r.holdings]
+    if not versions:
+        return FatalLoss(tuple(range(num_stages)), "no worker holds any state")
+    committed = max(versions)
+    usable: dict[int, list[str]] = {s: [] for s in range(num_stages)}
+    for report in reports:
+        for h in report.holdings:
+            if h.version == committed or (h.version == committed - 1 and h.ready):
+                if report.worker not in usable[h.stage]:
+                    usable[h.stage].append(report.worker)
+    lost = tuple(s for s, holders in usable.items() if not holders)
+    if lost:
+        return FatalLoss(lost, f"no live worker holds stage(s) {list(lost)} at step {committed}")
+    return committed, usable
+
+
+def choose_layout(
+    num_stages: int,
+    num_pipelines: int,
+    reports: Sequence[WorkerReport],
+    usable: dict[int, list[str]],
+) -> Layout | None:
+    """Pick groups and an assignment that move the least state (see the module rules)."""
+    workers = [r.worker for r in reports]
+    previous = {r.worker: r.previous_slot for r in reports}
+    num_physical = min(num_stages, len(workers) // num_pipelines)
+    if num_physical == 0:
+        return None
+    best: tuple[tuple[int, int, tuple[tuple[int, ...], ...]], Layout] | None = None
+    for groups in contiguous_groupings(num_stages, num_physical):
+        layout, cost = _assign(num_stages, num_pipelines, groups, workers, previous, usable)
+        key = (cost, max(len(g) for g in groups), groups)
+        if best is None or key < best[0]:
+            best = (key, layout)
+    assert best is not None
+    return best[1]
+
+
+def _missing(worker: str, group: Sequence[int], usable: dict[int, list[str]]) -> int:
+    if not usable:
+        return 0  # generation 0: every worker builds the initial weights itself
+    return sum(1 for s in group if worker not in usable[s])
+
+
+def _assign(
+    num_stages: int,
+    num_pipelines: int,
+    groups: tuple[tuple[int, ...], ...],
+    workers: list[str],
+    previous: dict[str, tuple[int, int] | None],
+    usable: dict[int, list[str]],
+) -> tuple[Layout, int]:
+    free = list(workers)
+    slots: list[list[str]] = [[""] * len(groups) for _ in range(num_pipelines)]
+    cost = 0
+    for stage_idx, group in enumerate(groups):
+        for pipeline in range(num_pipelines):
+
+            def rank(w: str, pipeline: int = pipeline, stage_idx: int = stage_idx) -> tuple[int, int, int]:
+                return (
+                    _missing(w, group, usable),
+                    0 if previous.get(w) == (pipeline, stage_idx) else 1,
+                    workers.index(w),
+                )
+
+            chosen = min(free, key=rank)
+            free.remove(chosen)
+            slots[pipeline][stage_idx] = chosen
+            cost += _missing(chosen, group, usable)
+    # Every stage must have a source among the members (standbys are outside the group).
+    members = {w for row in slots for w in row}
+    for stage in range(num_stages):
+        if usable and not any(w in members for w in usable[stage]):
+            holder = next(w for w in usable[stage] if w in free)
+            worst = max(
+                ((p, i) for p in range(num_pipelines) for i in range(len(groups))),
+                key=lambda pi: _missing(slots[pi[0]][pi[1]], groups[pi[1]], usable),
+            )
+            free.append(slots[worst[0]][worst[1]])
+            free.remove(holder)
+            slots[worst[0]][worst[1]] = holder
+            members = {w for row in slots for w in row}
+            cost += num_stages  # a forced swap is never preferred over a clean layout
+    layout = Layout(
+        num_stages=num_stages,
+        num_pipelines=num_pipelines,
+        groups=groups,
+        slots=tuple(tuple(row) for row in slots),
+        standby=tuple(free),
+    )
+    return layout, cost
+
+
+def plan_generation(
+    generation: int,
+    num_stages: int,
+    num_pipelines: int,
+    reports: Sequence[WorkerReport],
+) -> GenerationPlan | FatalLoss:
+    """The next generation from the live workers' reports (failure, arrival or departure)."""
+    state = committed_state(reports, num_stages)
+    if isinstance(state, FatalLoss):
+        return state
+    committed, usable = state
+    layout = choose_layout(num_stages, num_pipelines, reports, usable)
+    if layout is None:
+        return GenerationPlan(
+            generation,
+            None,
+            committed,
+            (),
+            f"{len(reports)} live worker(s), fewer than the {num_pipelines} pipelines need: waiting",
+        )
+    members = layout.members
+    sources = tuple(
+        (stage, next(w for w in members if w in usable[stage])) for stage in range(num_stages)
+    )
+    return GenerationPlan(generation, layout, committed, sources, "recovered")

@@ -1,0 +1,664 @@
+"""``spotline bench``: side-by-side benchmarks of real training runs on this machine.
+
+    spotline bench foundation [--steps 30] [--repeats 3] [--output runs/bench]
+    spotline bench redundancy [--steps 30] [--repeats 3] [--cases 2x2,2x4,4x4]
+
+Each subcommand runs its variants in one invocation, interleaved (A, B, A, B, ... for
+``--repeats`` rounds) so that machine noise (other jobs on a shared CPU, thermal drift)
+hits every variant alike, then reports the median over the rounds and the ratios between
+variants: a Markdown table on stdout and the whole record in ``<output>/bench-<name>.json``
+(written atomically). Every run is a real multi-process job started as a subprocess; its
+own output directory and logs stay under ``<output>/<name>/``.
+
+- ``foundation``: ``spotline train`` (Spotline's engine) against the same model, batches
+  and steps trained by DeepSpeed's stock ``PipelineEngine`` (``spotline.launch.stock_worker``).
+- ``redundancy``: ``spotline train`` with ``--redundancy off``, ``lazy`` and ``eager`` for
+  each case (stages x micro-batches, one pipeline), plus what the pure schedule says about
+  the eager mode: the fraction of redundant forwards its bubbles can hide, and the steps it
+  adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NoReturn
+
+from spotline.errors import UserError
+from spotline.plan.schedule import REDUNDANCY_MODES
+
+EXIT_USAGE = 2
+DEFAULT_STEPS = 30
+DEFAULT_REPEATS = 3
+QUICK_STEPS = 6
+QUICK_REPEATS = 1
+DEFAULT_OUTPUT = "runs/bench"
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What every subcommand shares: run length, rounds, where results go, the base config."""
+
+    steps: int
+    repeats: int
+    output: Path
+    config: str | None
+
+
+@dataclass(frozen=True)
+class RedundancyCase:
+    """One shape of the redundancy benchmark: one pipeline of ``num_stages`` stages.
+
+    One process per stage (``num_workers == num_stages``), ``num_micro_batches`` per step.
+    Written ``<stages>x<micro-batches>`` (``2x4``) on the command line and in the report.
+    """
+
+    num_stages: int
+    num_micro_batches: int
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_stages
+
+    @property
+    def name(self) -> str:
+        return f"{self.num_stages}x{self.num_micro_batches}"
+
+
+# 2 stages with 2 and 4 micro-batches, and 4 stages on 4 processes: more processes than a
+# 2-core machine has cores, where the bubbles are no longer idle CPU time.
+DEFAULT_CASES = (RedundancyCase(2, 2), RedundancyCase(2, 4), RedundancyCase(4, 4))
+
+
+def parse_cases(text: str) -> tuple[RedundancyCase, ...]:
+    """``"2x2,4x4"`` -> the cases; raises UserError naming the bad entry."""
+    cases = []
+    for part in text.split(","):
+        fields = part.strip().lower().split("x")
+        if len(fields) != 2 or not all(f.isdigit() for f in fields):
+            raise UserError(
+                f"--cases entry {part.strip()!r} is not <stages>x<micro-batches>; use e.g. --cases 2x2,4x4"
+            )
+        num_stages, num_micro_batches = int(fields[0]), int(fields[1])
+        if num_stages < 2 or num_micro_batches < 1:
+            raise UserError(
+                f"--cases entry {part.strip()!r}: redundancy needs >= 2 stages and >= 1 micro-batch"
+            )
+        cases.append(RedundancyCase(num_stages, num_micro_batches))
+    if len(set(cases)) != len(cases):
+        raise UserError(f"--cases {text!r} names a case twice; list each case once")
+    return tuple(cases)
+
+
+class RunFailed(Exception):
+    """A benchmarked job exited non-zero; ``exit_code`` is what ``main`` returns for it."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def median_per_rank(rows: Sequence[Sequence[float]]) -> list[float]:
+    """Element-wise median over rounds of per-rank lists (every round has the same ranks)."""
+    assert rows and len({len(r) for r in rows}) == 1, rows
+    return [median(column) for column in zip(*rows, strict=True)]
+
+
+def medians(runs: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, float]:
+    """Median over runs of each key that every run reports (optional keys may be absent)."""
+    return {k: median([r[k] for r in runs]) for k in keys if all(k in r for r in runs)}
+
+
+def interleaved(variants: Sequence[str], repeats: int) -> list[tuple[int, str]]:
+    """The run order: every variant once per round, rounds one after another (A, B, A, B)."""
+    return [(round_idx, v) for round_idx in range(repeats) for v in variants]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # One intra-op thread per process: the fast setting on a shared CPU and Spotline's own.
+    env.update(OMP_NUM_THREADS="1", WANDB_SILENT="true", PYTHONUNBUFFERED="1")
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    return env
+
+
+def progress(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def resolve_base_config(settings: BenchSettings, overrides: dict[str, Any]) -> Any:
+    """The base config with the bench's overrides; UserError on a bad file or value."""
+    from spotline.config import load_config, with_overrides
+
+    return with_overrides(
+        load_config(settings.config),
+        {
+            "spotline.training.steps": settings.steps,
+            "spotline.tracking.wandb": "disabled",
+            "spotline.tracking.progress": False,
+            **overrides,
+        },
+    )
+
+
+def write_config(cfg: Any, path: Path) -> Path:
+    from spotline.tracking import write_json_atomic
+
+    write_json_atomic(path, cfg.to_json())
+    return path
+
+
+def _error_line(log_text: str) -> str | None:
+    for line in log_text.splitlines():
+        if line.startswith("spotline: error: "):
+            return line.removeprefix("spotline: error: ")
+    return None
+
+
+# --------------------------------------------------------------------------- running jobs
+
+
+def run_spotline_train(config: Path, run_dir: Path, extra_flags: Sequence[str]) -> dict[str, Any]:
+    """``spotline train`` as a subprocess (its own workers); returns its summary.json.
+
+    The job's stdout and stderr go to ``run_dir/bench.log``. Raises RunFailed: exit 2 with
+    the job's one-line error (a user mistake), exit 1 otherwise.
+    """
+    import json
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir / "bench.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "spotline.launch.cli",
+        "train",
+        "--config",
+        str(config),
+        "--output",
+        str(run_dir),
+        *extra_flags,
+    ]
+    with open(log_path, "wb") as log:
+        code = subprocess.call(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+    if code != 0:
+        message = _error_line(log_path.read_text(errors="replace"))
+        if code == EXIT_USAGE and message is not None:
+            raise RunFailed(message, EXIT_USAGE)
+        raise RunFailed(f"spotline train exited {code}; see {log_path} and {run_dir}/logs", 1)
+    summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
+    return summary
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment of one stock rank: what ``spotline train`` gives its workers.
+
+    Every one of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK is needed: with one
+    missing DeepSpeed falls back to MPI discovery (DEEPSPEED-NOTES.md).
+    """
+    env = child_env()
+    env.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    return env
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM the live ranks, then SIGKILL those still alive after a grace period."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + 10
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def wait_ranks(procs: Sequence[subprocess.Popen[bytes]]) -> list[int]:
+    """Exit codes of every rank; when one fails the others are stopped (they would hang)."""
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return [int(c) for c in codes if c is not None]
+        if any(c not in (None, 0) for c in codes):
+            time.sleep(1.0)
+            stop(procs)
+            return [int(p.wait()) for p in procs]
+        time.sleep(0.05)
+
+
+def run_stock(config: Path, num_workers: int, run_dir: Path) -> dict[str, Any]:
+    """``num_workers`` ranks of ``spotline.launch.stock_worker``; returns rank 0's JSON.
+
+    Each rank's output goes to ``run_dir/logs/worker-<rank>.log``. Raises RunFailed
+    (exit 1) when a rank fails.
+    """
+    import json
+
+    logs_dir = run_dir / "logs"
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    result_path = run_dir / "stock.json"
+    result_path.unlink(missing_ok=True)
+    port = free_port()
+    procs: list[subprocess.Popen[bytes]] = []
+    cmd = [
+        sys.executable,
+        "-m",
+        "spotline.launch.stock_worker",
+        "--config",
+        str(config),
+        "--output",
+        str(result_path),
+    ]
+    try:
+        for rank in range(num_workers):
+            with open(logs_dir / f"worker-{rank}.log", "wb") as log:
+                procs.append(
+                    subprocess.Popen(
+                        cmd,
+                        env=rank_env(rank, num_workers, port),
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    )
+                )
+        codes = wait_ranks(procs)
+    except BaseException:
+        stop(procs)
+        raise
+    if any(c != 0 for c in codes) or not result_path.exists():
+        raise RunFailed(f"stock DeepSpeed ranks exited {codes}; see {logs_dir}/worker-*.log", 1)
+    result: dict[str, Any] = json.loads(result_path.read_text())
+    return result
+
+
+def run_rounds(
+    variants: Sequence[str],
+    repeats: int,
+    run_one: Callable[[str, int], dict[str, Any]],
+    label: str,
+) -> dict[str, list[dict[str, Any]]]:
+    """Run every variant ``repeats`` times, interleaved; each result gets its process time."""
+    results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    order = interleaved(variants, repeats)
+    for index, (round_idx, variant) in enumerate(order):
+        t0 = time.perf_counter()
+        result = run_one(variant, round_idx)
+        result["process_s"] = time.perf_counter() - t0
+        results[variant].append(result)
+        progress(
+            f"{label} {variant} round {round_idx + 1}/{repeats} ({index + 1}/{len(order)}): "
+            f"step {result['step_time_s'] * 1000:.1f} ms, {result['process_s']:.1f} s with start-up"
+        )
+    return results
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+# --------------------------------------------------------------------------- foundation
+
+FOUNDATION_VARIANTS = ("spotline", "stock")
+FOUNDATION_KEYS = ("samples_per_s", "step_time_s", "wall_s", "setup_s", "final_loss", "process_s")
+
+
+def bench_foundation(settings: BenchSettings) -> dict[str, Any]:
+    """Spotline's engine vs DeepSpeed's stock engine on the default 2 stages x 2 pipelines."""
+    from spotline.launch.stock_worker import TIED_COPY_NOTE
+
+    cfg = resolve_base_config(
+        settings, {"spotline.topology.workers": 4, "spotline.topology.stages": 2}
+    )
+    work = settings.output / "foundation"
+    config = write_config(cfg, work / "config.json")
+    info_before = machine_info()
+
+    def run_one(variant: str, round_idx: int) -> dict[str, Any]:
+        run_dir = work / f"{variant}-r{round_idx}"
+        if variant == "spotline":
+            return run_spotline_train(config, run_dir, [])
+        return run_stock(config, cfg.num_workers, run_dir)
+
+    results = run_rounds(FOUNDATION_VARIANTS, settings.repeats, run_one, "foundation")
+    variants: dict[str, Any] = {}
+    for variant, runs in results.items():
+        variants[variant] = {
+            **medians(runs, FOUNDATION_KEYS),
+            "peak_rss_mib_per_rank": median_per_rank([r["peak_rss_mib_per_rank"] for r in runs]),
+            "runs": [{k: r[k] for k in (*FOUNDATION_KEYS, "peak_rss_mib_per_rank")} for r in runs],
+        }
+    spot, stock = variants["spotline"], variants["stock"]
+    ratios = {
+        "samples_per_s": spot["samples_per_s"] / stock["samples_per_s"],
+        "step_time_s": spot["step_time_s"] / stock["step_time_s"],
+        "peak_rss_mib_max_rank": max(spot["peak_rss_mib_per_rank"])
+        / max(stock["peak_rss_mib_per_rank"]),
+        "peak_rss_mib_per_rank": [
+            a / b
+            for a, b in zip(
+                spot["peak_rss_mib_per_rank"], stock["peak_rss_mib_per_rank"], strict=True
+            )
+        ],
+    }
+    return {
+        "bench": "foundation",
+        "model": cfg.spotline.model.name,
+        "workers": cfg.num_workers,
+        "stages": cfg.num_stages,
+        "pipelines": cfg.num_pipelines,
+        "micro_batches": cfg.num_micro_batches,
+        "micro_batch_size": cfg.micro_batch_size,
+        "steps": settings.steps,
+        "repeats": settings.repeats,
+        "order": "interleaved: spotline, stock per round",
+        "statistic": "median over rounds (per rank for memory); ratios are spotline / stock",
+        "variants": variants,
+        "ratio_spotline_over_stock": ratios,
+        "note": TIED_COPY_NOTE,
+        "machine": {"before": info_before, "after": machine_info()},
+    }
+
+
+def format_foundation(report: dict[str, Any]) -> str:
+    def rss(values: Sequence[float]) -> str:
+        return " / ".join(f"{v:.0f}" for v in values)
+
+    v = report["variants"]
+    r = report["ratio_spotline_over_stock"]
+    rows = [
+        "| engine | samples/s | step time (ms, median) | peak RSS per rank (MiB) |",
+        "|---|---:|---:|---|",
+    ]
+    for name, title in (
+        ("spotline", "Spotline (spotline train)"),
+        ("stock", "stock DeepSpeed PipelineEngine"),
+    ):
+        rows.append(
+            f"| {title} | {v[name]['samples_per_s']:.1f} | {v[name]['step_time_s'] * 1000:.1f} "
+            f"| {rss(v[name]['peak_rss_mib_per_rank'])} |"
+        )
+    rows.append(
+        f"| ratio Spotline / stock | {r['samples_per_s']:.3f} | {r['step_time_s']:.3f} "
+        f"| {' / '.join(f'{x:.3f}' for x in r['peak_rss_mib_per_rank'])} |"
+    )
+    head = (
+        f"### foundation: {report['model']}, {report['workers']} workers "
+        f"({report['stages']} stages x {report['pipelines']} pipelines), "
+        f"{report['micro_batches']} micro-batches of {report['micro_batch_size']}, "
+        f"{report['steps']} steps, median of {report['repeats']} interleaved rounds"
+    )
+    return "\n".join([head, "", *rows, "", f"Note: {report['note']}."])
+
+
+# --------------------------------------------------------------------------- redundancy
+
+
+def schedule_facts(case: RedundancyCase) -> dict[str, Any]:
+    """What the pure schedule says about a case: eager's hidden fraction, extra steps per mode."""
+    from spotline.plan import schedule as plan
+
+    base = plan.train_schedule(case.num_stages, case.num_micro_batches)
+    by_mode = {mode: plan.add_redundancy(base, mode) for mode in REDUNDANCY_MODES}
+    return {
+        "hidden_fraction": plan.hidden_fraction(by_mode["eager"]),
+        "num_extra_steps": {mode: plan.num_extra_steps(s) for mode, s in by_mode.items()},
+        "num_schedule_steps": {mode: s.num_steps for mode, s in by_mode.items()},
+        "eager_grid": plan.format_grid(by_mode["eager"]),
+    }
+
+
+REDUNDANCY_KEYS = ("step_time_s", "samples_per_s", "wall_s", "process_s")
+
+
+def _per_step(values: Sequence[float], steps: int) -> list[float]:
+    # The engine's counters add up over the whole run.
+    return [v / steps for v in values]
+
+
+def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -> dict[str, Any]:
+    """Redundancy off/lazy/eager, interleaved, for each case; medians and ratios to off."""
+    report_cases = []
+    for case in cases:
+        facts = schedule_facts(case)
+        print(f"eager schedule, {case.name} (stages x micro-batches), compute actions:")
+        print("```")
+        print(facts["eager_grid"])
+        print("```", flush=True)
+        cfg = resolve_base_config(
+            settings,
+            {
+                "spotline.topology.workers": case.num_workers,
+                "spotline.topology.stages": case.num_stages,
+                "gradient_accumulation_steps": case.num_micro_batches,
+            },
+        )
+        work = settings.output / "redundancy" / case.name
+        config = write_config(cfg, work / "config.json")
+
+        def run_one(
+            mode: str, round_idx: int, work: Path = work, config: Path = config
+        ) -> dict[str, Any]:
+            return run_spotline_train(config, work / f"{mode}-r{round_idx}", ["--redundancy", mode])
+
+        results = run_rounds(REDUNDANCY_MODES, settings.repeats, run_one, f"redundancy {case.name}")
+        modes: dict[str, Any] = {}
+        for mode, runs in results.items():
+            modes[mode] = {
+                **medians(runs, REDUNDANCY_KEYS),
+                "peak_rss_mib_per_rank": median_per_rank(
+                    [r["peak_rss_mib_per_rank"] for r in runs]
+                ),
+                "redundant_compute_s_per_step_per_rank": median_per_rank(
+                    [_per_step(r["redundant_compute_s_per_rank"], r["steps"]) for r in runs]
+                ),
+                "replica_sync_s_per_step_per_rank": median_per_rank(
+                    [_per_step(r["replica_sync_s_per_rank"], r["steps"]) for r in runs]
+                ),
+                "num_extra_steps": facts["num_extra_steps"][mode],
+                "param_sha256": sorted({r["param_sha256"] for r in runs}),
+            }
+        off = modes["off"]
+        for mode in REDUNDANCY_MODES:
+            m = modes[mode]
+            m["step_time_ratio_to_off"] = m["step_time_s"] / off["step_time_s"]
+            m["peak_rss_ratio_to_off_max_rank"] = max(m["peak_rss_mib_per_rank"]) / max(
+                off["peak_rss_mib_per_rank"]
+            )
+            m["peak_rss_ratio_to_off_per_rank"] = [
+                a / b
+                for a, b in zip(
+                    m["peak_rss_mib_per_rank"], off["peak_rss_mib_per_rank"], strict=True
+                )
+            ]
+        report_cases.append(
+            {
+                "case": case.name,
+                "stages": case.num_stages,
+                "workers": case.num_workers,
+                "micro_batches": case.num_micro_batches,
+                "micro_batch_size": cfg.micro_batch_size,
+                "hidden_fraction": facts["hidden_fraction"],
+                "num_schedule_steps": facts["num_schedule_steps"],
+                "eager_grid": facts["eager_grid"],
+                "modes": modes,
+            }
+        )
+    return {
+        "bench": "redundancy",
+        "model": cfg.spotline.model.name,
+        "steps": settings.steps,
+        "repeats": settings.repeats,
+        "order": "per case, interleaved: off, lazy, eager per round",
+        "statistic": (
+            "median over rounds (per rank for memory and seconds); redundant compute and "
+            "replica sync are seconds per step; hidden_fraction is the eager schedule's share "
+            "of redundant forwards placed in bubbles (a bound on what can be hidden)"
+        ),
+        "cases": report_cases,
+        "machine": machine_info(),
+    }
+
+
+def format_redundancy(report: dict[str, Any]) -> str:
+    def per_rank(values: Sequence[float], fmt: str) -> str:
+        return " / ".join(format(v, fmt) for v in values)
+
+    rows = [
+        "| case (SxM) | mode | step (ms) | vs off | peak RSS per rank (MiB) | RSS vs off (max rank) "
+        "| redundant fwd (ms/step per rank) | replica sync (ms/step per rank) | hidden fraction | extra steps |",
+        "|---|---|---:|---:|---|---:|---|---|---:|---:|",
+    ]
+    for case in report["cases"]:
+        for mode, m in case["modes"].items():
+            hidden = f"{case['hidden_fraction']:.2f}" if mode == "eager" else "-"
+            ms_redundant = [v * 1000 for v in m["redundant_compute_s_per_step_per_rank"]]
+            ms_sync = [v * 1000 for v in m["replica_sync_s_per_step_per_rank"]]
+            rows.append(
+                f"| {case['case']} ({case['workers']} procs) | {mode} | {m['step_time_s'] * 1000:.1f} "
+                f"| {m['step_time_ratio_to_off']:.3f} | {per_rank(m['peak_rss_mib_per_rank'], '.0f')} "
+                f"| {m['peak_rss_ratio_to_off_max_rank']:.3f} | {per_rank(ms_redundant, '.1f')} "
+                f"| {per_rank(ms_sync, '.1f')} | {hidden} | {m['num_extra_steps']} |"
+            )
+    head = (
+        f"### redundancy: {report['model']}, one pipeline, one process per stage, "
+        f"{report['steps']} steps, median of {report['repeats']} interleaved rounds"
+    )
+    return "\n".join([head, "", *rows])
+
+
+# --------------------------------------------------------------------------- command line
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UserError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"bench: {message}; see spotline bench --help")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    common.add_argument(
+        "--output", default=DEFAULT_OUTPUT, help=f"results folder (default {DEFAULT_OUTPUT})"
+    )
+    common.add_argument(
+        "--steps", type=int, help=f"optimizer steps per run (default {DEFAULT_STEPS})"
+    )
+    common.add_argument(
+        "--repeats", type=int, help=f"interleaved rounds (default {DEFAULT_REPEATS})"
+    )
+    common.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"steps {QUICK_STEPS}, repeats {QUICK_REPEATS} unless given: a smoke test, not a measurement",
+    )
+    common.add_argument("--config", help="base config JSON (default: the built-in default)")
+    parser = _Parser(
+        prog="spotline bench",
+        description="side-by-side benchmarks of real training runs on this machine",
+    )
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="{foundation,redundancy}")
+    sub.add_parser(
+        "foundation", parents=[common], help="Spotline vs stock DeepSpeed PipelineEngine"
+    )
+    redundancy = sub.add_parser(
+        "redundancy", parents=[common], help="redundancy off / lazy / eager"
+    )
+    redundancy.add_argument(
+        "--cases",
+        default=",".join(c.name for c in DEFAULT_CASES),
+        help="comma-separated <stages>x<micro-batches> (default %(default)s)",
+    )
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else DEFAULT_STEPS)
+    repeats = (
+        args.repeats
+        if args.repeats is not None
+        else (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
+    )
+    if steps < 1:
+        raise UserError(f"--steps {steps}: use at least 1 step")
+    if repeats < 1:
+        raise UserError(f"--repeats {repeats}: use at least 1 round")
+    return BenchSettings(steps=steps, repeats=repeats, output=Path(args.output), config=args.config)
+
+
+def fail(message: str) -> int:
+    print(f"spotline: error: {message}", file=sys.stderr, flush=True)
+    return EXIT_USAGE
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one benchmark; 0 on success, 2 on bad input, 1 when a benchmarked job failed."""
+    from spotline.tracking import write_json_atomic
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except UserError as exc:
+        return fail(str(exc))
+    try:
+        settings = settings_from_args(args)
+        if args.bench == "foundation":
+            report = bench_foundation(settings)
+            table = format_foundation(report)
+        else:
+            report = bench_redundancy(settings, parse_cases(args.cases))
+            table = format_redundancy(report)
+    except UserError as exc:
+        return fail(str(exc))
+    except RunFailed as exc:
+        if exc.exit_code == EXIT_USAGE:
+            return fail(str(exc))
+        print(f"spotline: bench failed: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    report["command"] = ["spotline", "bench", *argv]
+    path = settings.output / f"bench-{report['bench']}.json"
+    write_json_atomic(path, report)
+    print(table)
+    print(f"\nresults: {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,541 @@
+"""The coordinator: the on-demand process that owns membership and never trains.
+
+It hosts the job's store (torch.distributed's TCPStore; the elastic machinery's
+rendezvous store), starts the worker processes, watches them (process exit, heartbeats),
+delivers the preemptions of a trace, of a random process or of ``--inject`` flags, and for
+each generation publishes a plan computed by ``spotline.plan.layout`` from what the live
+workers report they hold. Workers keep their state in memory across generations; only a
+fatal loss (a stage held by no live worker) reads the last checkpoint.
+
+Store keys (all under one TCPStore):
+
+- ``plan/<g>``: the plan of generation g (JSON); ``entry/<worker>``: the first generation
+  a worker reads.
+- ``report/<g>/<worker>``: what a worker holds at the end of generation g (JSON).
+- ``hb/<worker>``, ``progress/<worker>``, ``leaving/<worker>``, ``joined/<worker>``.
+- ``stop/<g>``: members of generation g stop at this step (arrivals and departures).
+- ``ready/<g>/<worker>``, ``final/param_sha256``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from spotline.config import RunConfig
+from spotline.elastic import layout_to_json
+from spotline.plan.chaos import TimedEvent, parse_injections, random_preemptions, replay_trace
+from spotline.plan.layout import (
+    FatalLoss,
+    GenerationPlan,
+    Holding,
+    Layout,
+    WorkerReport,
+    choose_layout,
+    initial_layout,
+    plan_generation,
+)
+from spotline.plan.traces import load_trace
+from spotline.report import Timeline, summarize_recoveries
+
+POLL_S = 0.02
+
+
+@dataclass
+class WorkerProc:
+    wid: str
+    proc: subprocess.Popen[bytes]
+    started: float
+    alive: bool = True
+    fate: str = "running"  # running, killed, terminated, left, exited
+
+
+@dataclass
+class Event:
+    t_s: float
+    kind: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class Coordinator:
+    def __init__(self, cfg: RunConfig, config_path: Path, output: Path, *, env: dict[str, str]) -> None:
+        self.cfg = cfg
+        self.sl = cfg.spotline
+        self.config_path = config_path
+        self.output = output
+        self.env = env
+        self.t0 = time.monotonic()
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        self.store_addr = f"127.0.0.1:{self.store.port}"
+        self.workers: dict[str, WorkerProc] = {}
+        self.next_index = 0
+        self.generation = 0
+        self.events: list[Event] = []
+        self.timeline = Timeline()
+        self.injections = parse_injections(self.sl.recovery.inject)
+        self.done_add_steps: set[int] = set()
+        self.timed: list[TimedEvent] = self._timed_events()
+        self.rng = random.Random(self._preempt_seed())
+        self.preemptions = 0
+        self.recoveries = 0
+        self.fallbacks = 0
+        self.steps_redone = 0
+        self.recovery_events: list[dict[str, Any]] = []
+        self.losses: dict[int, float] = {}
+        self.step_times: dict[int, float] = {}
+        self.peaks: dict[str, float] = {}
+        self.pending_failure_t: float | None = None
+        self.layout: Layout | None = None
+        self.resume_step = 0
+        self.ckpt_committed: set[int] = set()
+        self.first_step_t: float | None = None
+
+    # -- time and events --------------------------------------------------------------
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def _event(self, kind: str, **detail: Any) -> None:
+        self.events.append(Event(self.now(), kind, detail))
+        placement = {}
+        if self.layout is not None:
+            for w in self.live_ids():
+                placement[w] = self.layout.describe(w) if w in self.layout.members or w in self.layout.standby else "joining"
+        self.timeline.record(
+            self.now(), kind, self.max_progress(), len(self.live_ids()), placement, None,
+            ";".join(f"{k}:{v}" for k, v in detail.items()).replace("=", ":"),
+        )
+        print(f"spotline: [{self.now():7.2f}s] {kind} {detail if detail else ''}", file=sys.stderr, flush=True)
+
+    def _preempt_seed(self) -> int:
+        seed = self.sl.recovery.preempt_seed
+        return self.sl.training.seed if seed is None else seed
+
+    def _timed_events(self) -> list[TimedEvent]:
+        rec = self.sl.recovery
+        cap = rec.max_workers or self.cfg.num_workers
+        if rec.trace:
+            replay = replay_trace(load_trace(rec.trace), max_workers=cap, time_scale=rec.time_scale, removal=rec.trace_removal)
+            self.trace_initial = replay.initial_workers
+            return list(replay.events)
+        if rec.preempt_rate > 0:
+            # A horizon long enough for the run; events past the end are never reached.
+            return random_preemptions(
+                rec.preempt_rate, self.cfg.num_workers, 3600.0 * 24, self._preempt_seed(), rec.time_scale, rec.replace_after_s, removal=rec.trace_removal
+            )
+        return []
+
+    # -- workers ----------------------------------------------------------------------
+    def spawn(self, entry_generation: int) -> str:
+        wid = f"w{self.next_index}"
+        self.next_index += 1
+        self.store.set(f"entry/{wid}", str(entry_generation))
+        logs = self.output / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log = open(logs / f"{wid}.log", "ab")  # noqa: SIM115 - handed to the child
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "spotline.elastic", "--config", str(self.config_path), "--output", str(self.output), "--worker-id", wid, "--store", self.store_addr],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        self.workers[wid] = WorkerProc(wid, proc, self.now())
+        return wid
+
+    def live_ids(self) -> list[str]:
+        return [w for w, p in self.workers.items() if p.alive]
+
+    def signal_worker(self, wid: str, how: str) -> None:
+        proc = self.workers[wid]
+        if not proc.alive:
+            return
+        self.preemptions += 1
+        self.pending_failure_t = self.pending_failure_t or self.now()
+        if how == "kill":
+            proc.proc.send_signal(signal.SIGKILL)
+            proc.fate = "killed"
+        else:
+            proc.proc.send_signal(signal.SIGTERM)
+            proc.fate = "terminated"
+        self._event("preempted", worker=wid, signal=how)
+
+    def max_progress(self) -> int:
+        """The highest step a member of the current generation has started."""
+        best = self.resume_step
+        for w in self.live_ids():
+            key = f"progress/{self.generation}/{w}"
+            if self.store.check([key]):
+                best = max(best, int(self.store.get(key).decode()))
+                if self.first_step_t is None:
+                    self.first_step_t = time.monotonic()
+        return best
+
+    def _poll_processes(self) -> list[str]:
+        died = []
+        for w, p in self.workers.items():
+            if p.alive and p.proc.poll() is not None:
+                p.alive = False
+                code = p.proc.returncode
+                if p.fate == "running" and code in (-signal.SIGKILL, -signal.SIGTERM):
+                    # Killed by an --inject fault the worker delivered to itself.
+                    self.preemptions += 1
+                    self.pending_failure_t = self.pending_failure_t or self.now()
+                    p.fate = "killed"
+                    self._event("preempted", worker=w, signal="kill")
+                elif p.fate == "running":
+                    p.fate = "exited" if code == 0 else "crashed"
+                died.append(w)
+                if code not in (0, -signal.SIGKILL, -signal.SIGTERM):
+                    self._event("worker-exit", worker=w, code=code)
+        return died
+
+    def _check_heartbeats(self) -> None:
+        limit = self.sl.recovery.heartbeat_timeout_s
+        now = time.time()
+        for w in self.live_ids():
+            key = f"hb/{w}"
+            if self.store.check([key]):
+                last = float(self.store.get(key).decode())
+                if now - last > limit:
+                    self._event("heartbeat-missed", worker=w)
+                    self.workers[w].proc.send_signal(signal.SIGKILL)
+                    self.workers[w].fate = "killed"
+
+    def _deliver_timed_events(self) -> None:
+        while self.timed and self.timed[0].at_s <= self.now():
+            ev = self.timed.pop(0)
+            if ev.kind == "remove":
+                members = [w for w in self.live_ids() if self.workers[w].fate == "running"]
+                for wid in self.rng.sample(members, min(ev.count, max(0, len(members)))):
+                    self.signal_worker(wid, ev.how or "kill")
+            else:
+                cap = self.sl.recovery.max_workers or self.cfg.num_workers
+                for _ in range(ev.count):
+                    if len(self.live_ids()) < cap:
+                        self._arrival()
+
+    def _deliver_step_injections(self) -> None:
+        progress = self.max_progress()
+        for inj in self.injections:
+            if inj.signal == "add" and inj.step <= progress and id(inj) not in self.done_add_steps:
+                self.done_add_steps.add(id(inj))
+                self._arrival()
+
+    def _arrival(self) -> None:
+        wid = self.spawn(self.generation + 1)
+        self._event("arrived", worker=wid)
+        # Members stop at a step boundary a little ahead, so that all of them see it.
+        self._request_boundary()
+
+    def _request_boundary(self) -> None:
+        key = f"stop/{self.generation}"
+        if not self.store.check([key]):
+            self.store.set(key, str(self.max_progress() + 2))
+
+    # -- generations ------------------------------------------------------------------
+    def _publish(self, generation: int, plan: dict[str, Any]) -> None:
+        self.store.set(f"plan/{generation}", json.dumps(plan))
+
+    def _plan_json(self, action: str, layout: Layout | None, resume: int, holders: dict[int, list[str]], sources: Any, **extra: Any) -> dict[str, Any]:
+        return {
+            "action": action,
+            "layout": layout_to_json(layout) if layout is not None else None,
+            "resume_step": resume,
+            "holders": {str(k): v for k, v in holders.items()},
+            "sources": [list(x) for x in sources],
+            **extra,
+        }
+
+    def run(self) -> dict[str, Any]:
+        S, P = self.cfg.num_stages, self.cfg.num_pipelines
+        initial = getattr(self, "trace_initial", None) or self.cfg.num_workers
+        initial = min(initial, self.sl.recovery.max_workers or self.cfg.num_workers)
+        ids = [self.spawn(0) for _ in range(initial)]
+        self.layout = initial_layout(S, P, ids)
+        self._publish(0, self._plan_json("train", self.layout, 0, {}, []))
+        self._event("start", workers=len(ids))
+        t_start = time.monotonic()
+        while True:
+            outcome = self._run_generation()
+            if outcome == "done":
+                break
+        end = time.monotonic()
+        wall = end - t_start
+        # Training time: from the first step to the last commit, recoveries included.
+        self.train_wall_s = end - (self.first_step_t or t_start)
+        self._publish(self.generation + 1, {"action": "finish"})
+        for p in self.workers.values():
+            try:
+                p.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait()
+        return self._summary(wall)
+
+    def _members(self) -> list[str]:
+        if self.layout is None:
+            return []
+        return list(self.layout.members)
+
+    def _run_generation(self) -> str:
+        g = self.generation
+        expected = set(self.live_ids())
+        first_report_t: float | None = None
+        reports: dict[str, dict[str, Any]] = {}
+        while True:
+            died = self._poll_processes()
+            for w in died:
+                if self.workers[w].fate in ("killed", "crashed") and w in self._members():
+                    self.pending_failure_t = self.pending_failure_t or self.now()
+            self._check_heartbeats()
+            self._deliver_timed_events()
+            self._deliver_step_injections()
+            for w in self.live_ids():
+                if self.store.check([f"leaving/{w}"]) and self.workers[w].fate in ("running", "terminated"):
+                    if self.workers[w].fate == "running":
+                        self.preemptions += 1  # a SIGTERM the worker delivered to itself
+                    self.workers[w].fate = "left"
+                    self._event("leaving", worker=w)
+                    self._request_boundary()
+            for w in list(expected | set(self.live_ids())):
+                key = f"report/{g}/{w}"
+                if w not in reports and self.store.check([key]):
+                    reports[w] = json.loads(self.store.get(key).decode())
+                    first_report_t = first_report_t or self.now()
+            waiting_on = [w for w in expected if self.workers[w].alive and w not in reports]
+            if not waiting_on and expected:
+                break
+            if first_report_t is not None and waiting_on and self.now() - first_report_t > self.sl.recovery.collective_timeout_s + 5:
+                for w in waiting_on:  # hung: its peers reported long ago
+                    self._event("unresponsive", worker=w)
+                    self.workers[w].proc.send_signal(signal.SIGKILL)
+                    self.workers[w].fate = "killed"
+            if not expected:
+                expected = set(self.live_ids())
+            time.sleep(POLL_S)
+        for rep in reports.values():
+            for k, v in rep.get("losses", {}).items():
+                self.losses[int(k)] = v
+            for k, v in rep.get("step_times", {}).items():
+                self.step_times[int(k)] = v
+            self.peaks[rep["worker"]] = max(self.peaks.get(rep["worker"], 0.0), rep.get("peak_rss_mib", 0.0))
+        outcomes = {w: r["outcome"] for w, r in reports.items()}
+        members = self._members()
+        if members and all(outcomes.get(w) == "done" for w in members):
+            return "done"
+        # A generation ended early: failure, arrival or departure.
+        # The step in flight when the generation ended (started, maybe not committed).
+        reached = self.max_progress() + 1
+        self._commit_checkpoints()
+        live_reports = [
+            WorkerReport(
+                worker=w,
+                holdings=tuple(Holding(int(s), int(v), bool(r)) for s, v, r in reports[w]["holdings"]) if w in reports else (),
+                previous_slot=tuple(reports[w]["previous_slot"]) if w in reports and reports[w]["previous_slot"] else None,
+            )
+            for w in self.live_ids()
+            if self.workers[w].fate == "running"
+        ]
+        failure = any(o == "failed" for o in outcomes.values())
+        self.generation = g + 1
+        self._plan_next(live_reports, failure=failure, reached=reached)
+        return "continue"
+
+    def _commit_checkpoints(self) -> None:
+        interval = self.sl.checkpoints.interval_steps
+        if interval <= 0:
+            return
+        from spotline.checkpoint import CheckpointWriter
+
+        root = Path(self.sl.checkpoints.dir) if self.sl.checkpoints.dir else self.output / "checkpoints"
+        writer = CheckpointWriter(root, self.sl.checkpoints.keep)
+        labels = [f"stage-{s}" for s in range(self.cfg.num_stages)]
+        for step in range(interval, self.max_progress() + 2, interval):
+            if step not in self.ckpt_committed and writer.commit(step, labels):
+                self.ckpt_committed.add(step)
+
+    def _plan_next(self, reports: list[WorkerReport], *, failure: bool, reached: int) -> None:
+        S, P = self.cfg.num_stages, self.cfg.num_pipelines
+        g = self.generation
+        if self.sl.recovery.mode == "checkpoint-restart" and failure:
+            self._restart_all(reports)
+            return
+        result: GenerationPlan | FatalLoss = plan_generation(g, S, P, reports)
+        if isinstance(result, FatalLoss):
+            self._event("fatal-loss", stages=list(result.lost_stages))
+            self._restore(reports, g)
+            return
+        layout = result.layout
+        holders: dict[int, list[str]] = {s: [] for s in range(S)}
+        for r in reports:
+            for h in r.holdings:
+                if h.version == result.resume_step or (h.version == result.resume_step - 1 and h.ready):
+                    holders[h.stage].append(r.worker)
+        if layout is None:
+            self._event("waiting-for-workers", live=len(reports))
+            self.layout = None
+            self._publish(g, self._plan_json("train", None, result.resume_step, holders, ()))
+            # Nothing trains until a worker arrives: wait for one.
+            while len(self.live_ids()) <= len(reports):
+                self._poll_processes()
+                self._deliver_timed_events()
+                time.sleep(POLL_S)
+            return
+        if failure:
+            self.steps_redone += max(0, reached - result.resume_step)
+        self.layout = layout
+        self.resume_step = result.resume_step
+        self._publish(g, self._plan_json("train", layout, result.resume_step, holders, result.sources))
+        self._event("plan", generation=g, stages="/".join("+".join(map(str, gr)) for gr in layout.groups), resume=result.resume_step)
+        if failure:
+            self.recoveries += 1
+            started = self.pending_failure_t or self.now()
+            self._await_recovered(g, started)
+        self.pending_failure_t = None
+
+    def _await_recovered(self, g: int, started: float) -> None:
+        """Recovery time: from the preemption to the first step committed after it."""
+        target = self.resume_step + 1
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            died = self._poll_processes()
+            if died:
+                break
+            if self.max_progress() >= target or all(
+                self.store.check([f"report/{g}/{w}"]) for w in self._members()
+            ):
+                break
+            time.sleep(POLL_S)
+        seconds = self.now() - started
+        self.recovery_events.append({"generation": g, "resume_step": self.resume_step, "recovery_s": seconds})
+        self._event("recovered", generation=g, seconds=round(seconds, 3))
+
+    def _restore(self, reports: list[WorkerReport], g: int) -> None:
+        from spotline.checkpoint import latest_complete
+
+        root = Path(self.sl.checkpoints.dir) if self.sl.checkpoints.dir else self.output / "checkpoints"
+        step = latest_complete(root) if root.exists() else None
+        self.fallbacks += 1
+        S, P = self.cfg.num_stages, self.cfg.num_pipelines
+        everyone = [WorkerReport(r.worker, (), r.previous_slot) for r in reports]
+        if step is None:
+            # No checkpoint yet: the only consistent state is the start.
+            layout = choose_layout(S, P, everyone, usable={})
+            self.steps_redone += self.max_progress()
+            self.layout, self.resume_step = layout, 0
+            self._publish(g, self._plan_json("train", layout, 0, {}, []))
+            self._event("restart-from-scratch")
+        else:
+            usable = {s: [r.worker for r in reports] for s in range(S)}
+            layout = choose_layout(S, P, everyone, usable=usable)
+            self.steps_redone += max(0, self.max_progress() - step)
+            self.layout, self.resume_step = layout, step
+            holders = {s: list(usable[s]) for s in range(S)}
+            sources = [(s, layout.members[0]) for s in range(S)] if layout else []
+            self._publish(g, self._plan_json("restore", layout, step, holders, sources, checkpoint_step=step))
+            self._event("checkpoint-fallback", step=step)
+        self._await_recovered(g, self.pending_failure_t or self.now())
+        self.pending_failure_t = None
+
+    def _restart_all(self, reports: list[WorkerReport]) -> None:
+        """Checkpoint-restart baseline: every worker is replaced and reads the checkpoint."""
+        survivors = [r.worker for r in reports]
+        for w in survivors:
+            self.workers[w].proc.send_signal(signal.SIGKILL)
+            self.workers[w].fate = "restarted"
+        for w in survivors:
+            self.workers[w].proc.wait()
+            self.workers[w].alive = False
+        fresh = [self.spawn(self.generation) for _ in survivors]
+        self._event("restart-all", workers=len(fresh))
+        self._restore([WorkerReport(w) for w in fresh], self.generation)
+
+    # -- summary ----------------------------------------------------------------------
+    def _summary(self, wall: float) -> dict[str, Any]:
+        steps = self.sl.training.steps
+        # A step committed while its loss was being aggregated has no reported loss (None).
+        losses = [self.losses.get(s) for s in range(steps)]
+        key = "final/param_sha256"
+        param_hash = self.store.get(key).decode() if self.store.check([key]) else None
+        samples = steps * self.cfg.micro_batch_size * self.cfg.num_micro_batches * self.cfg.num_pipelines
+        self.timeline.write_csv(self.output / "timeline.csv")
+        try:
+            self.timeline.plot_png(self.output / "timeline.png", f"spotline: {self.sl.model.name}")
+        except Exception as exc:  # a plot is a convenience; never fail a finished run on it
+            print(f"spotline: timeline plot skipped: {exc}", file=sys.stderr)
+        rec = summarize_recoveries(self.timeline.rows)
+        times = sorted(self.step_times.values())
+        return {
+            "steps": steps,
+            "losses": losses,
+            "final_loss": losses[-1],
+            # Committed samples per second of training (first step to last, recoveries
+            # included): the goodput. wall_s also counts process start-up.
+            "samples_per_s": samples / self.train_wall_s,
+            "goodput_samples_per_s": samples / self.train_wall_s,
+            "train_wall_s": self.train_wall_s,
+            "wall_s": wall,
+            "step_time_s": times[len(times) // 2] if times else None,
+            "workers": self.cfg.num_workers,
+            "stages": self.cfg.num_stages,
+            "pipelines": self.cfg.num_pipelines,
+            "micro_batch_size": self.cfg.micro_batch_size,
+            "micro_batches": self.cfg.num_micro_batches,
+            "model": self.sl.model.name,
+            "seed": self.sl.training.seed,
+            "deterministic": self.sl.determinism.enabled,
+            "redundancy": self.sl.redundancy.mode,
+            "recovery_mode": self.sl.recovery.mode,
+            "param_sha256": param_hash,
+            "peak_rss_mib_per_worker": self.peaks,
+            "preemptions": self.preemptions,
+            "recoveries": self.recoveries,
+            "checkpoint_fallbacks": self.fallbacks,
+            "steps_redone": self.steps_redone,
+            "recovery_events": self.recovery_events,
+            "recovery_summary": rec,
+            "generations": self.generation + 1,
+            "events": [{"t_s": round(e.t_s, 3), "kind": e.kind, **e.detail} for e in self.events],
+        }
+
+
+    def shutdown(self) -> None:
+        """Stop every worker (Ctrl-C or a coordinator error): nothing is left running."""
+        for p in self.workers.values():
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGKILL)
+        for p in self.workers.values():
+            p.proc.wait()
+
+    def log_to_wandb(self, summary: dict[str, Any]) -> None:
+        """Per-step losses and the recovery events, to wandb (offline unless configured)."""
+        tracking = self.sl.tracking
+        if tracking.wandb == "disabled":
+            return
+        from spotline.tracking import Tracker
+
+        tracker = Tracker(tracking, enabled=True, output_dir=self.output, total_steps=len(summary["losses"]), run_config=self.cfg.to_json())
+        for step, loss in enumerate(summary["losses"]):
+            if loss is not None:
+                tracker.log_step(step, {"loss": loss, "step_time_s": self.step_times.get(step, 0.0)})
+        for event in summary["events"]:
+            tracker.log_event(event["kind"], {k: v for k, v in event.items() if k != "kind"})
+        tracker.finish(summary)
+
+
+def child_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env

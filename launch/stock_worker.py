@@ -1,0 +1,152 @@
+"""One rank of the stock-DeepSpeed baseline that ``spotline bench foundation`` compares against.
+
+Trains the same PipelineModule (``spotline.models.build_pipeline_module``) on the same batches
+(the global sampler, by step, pipeline and micro-batch) for the same steps as ``spotline
+train``, but through ``deepspeed.initialize`` and DeepSpeed's own ``PipelineEngine`` and
+``TrainSchedule``: no Spotline engine subclass, no per-layer reseeding, no exact tied-weight
+reduction. The loop and its clocks mirror ``spotline.trainer.run_worker`` so the two numbers
+measure the same thing.
+
+Caveat, by design of the baseline: the stock engine only knows DeepSpeed's ``TiedLayerSpec``,
+so it never adds the gradients of Spotline's separate tied LM-head copy to the embedding's;
+the two drift apart. Irrelevant for speed (the work per step is the same), wrong for a model.
+
+Started by the bench (one process per rank, RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK
+in the environment, as ``spotline train`` starts its workers); rank 0 writes a JSON result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TIED_COPY_NOTE = (
+    "the stock engine does not keep the tied LM-head copy equal to the embedding "
+    "(Spotline's engine does); irrelevant for speed, the stock model is not a valid model"
+)
+
+
+def run(config_path: str, output: Path) -> dict[str, Any] | None:
+    """Train the config's run on this rank with the stock engine; rank 0 returns the result."""
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    from spotline import data as sl_data
+    from spotline import models
+    from spotline.config import load_config
+    from spotline.engine import deepspeed_config_for, step_batches
+    from spotline.plan.sampler import GlobalSampler
+    from spotline.runtime import (
+        configure_process,
+        init_distributed,
+        peak_rss_mib,
+        seed_everything,
+    )
+    from spotline.trainer import quiet_libraries
+
+    cfg = load_config(config_path)
+    sl = cfg.spotline
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    assert world_size == cfg.num_workers, (world_size, cfg.num_workers)
+    quiet_libraries()
+    configure_process(
+        intra_op_threads=sl.determinism.intra_op_threads, deterministic=sl.determinism.enabled
+    )
+    seed_everything(sl.training.seed)
+    hf_config = models.load_hf_config(sl.model.name, sl.model.overrides)
+    samples_per_step = cfg.micro_batch_size * cfg.num_micro_batches * cfg.num_pipelines
+    corpus = sl_data.load_corpus(
+        sl.data.path, sl.data.tokenizer, sl.model.seq_len, min_sequences=samples_per_step
+    )
+    init_distributed()
+    t_setup = time.perf_counter()
+    module = models.build_pipeline_module(
+        hf_config,
+        cfg.num_stages,
+        seed=sl.training.seed,
+        activation_checkpoint_interval=sl.model.activation_checkpoint_interval,
+    )
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, config=deepspeed_config_for(cfg.deepspeed, num_pipelines=cfg.num_pipelines)
+    )
+    setup_s = time.perf_counter() - t_setup
+    sampler = GlobalSampler(
+        num_samples=len(corpus),
+        num_logical_workers=cfg.num_pipelines,
+        micro_batch_size=cfg.micro_batch_size,
+        num_micro_batches=cfg.num_micro_batches,
+        seed=sl.training.seed,
+    )
+    pipeline_id = int(engine.grid.data_parallel_id)
+
+    def get_batch(step: int, logical_worker: int, micro_batch: int) -> Any:
+        return corpus.batch(sampler.indices(step, logical_worker, micro_batch))
+
+    losses: list[float] = []
+    step_times: list[float] = []
+    t0 = time.perf_counter()
+    for step in range(sl.training.steps):
+        t_step = time.perf_counter()
+        loss = engine.train_batch(
+            data_iter=step_batches(
+                get_batch,
+                step=step,
+                logical_worker=pipeline_id,
+                num_micro_batches=cfg.num_micro_batches,
+            )
+        )
+        losses.append(float(loss))
+        step_times.append(time.perf_counter() - t_step)
+    wall_s = time.perf_counter() - t0
+
+    mine = torch.tensor([peak_rss_mib()], dtype=torch.float64)
+    gathered = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(gathered, mine)
+    result: dict[str, Any] | None = None
+    if rank == 0:
+        from spotline.tracking import write_json_atomic
+
+        result = {
+            "engine": "deepspeed.runtime.pipe.engine.PipelineEngine (deepspeed.initialize)",
+            "deepspeed_version": deepspeed.__version__,
+            "steps": sl.training.steps,
+            "losses": losses,
+            "final_loss": losses[-1],
+            "samples_per_s": sl.training.steps * samples_per_step / wall_s,
+            "wall_s": wall_s,
+            "setup_s": setup_s,
+            "step_time_s": sorted(step_times)[len(step_times) // 2],
+            "workers": cfg.num_workers,
+            "stages": cfg.num_stages,
+            "pipelines": cfg.num_pipelines,
+            "micro_batch_size": cfg.micro_batch_size,
+            "micro_batches": cfg.num_micro_batches,
+            "model": sl.model.name,
+            "peak_rss_mib_per_rank": [float(g[0]) for g in gathered],
+            "note": TIED_COPY_NOTE,
+        }
+        write_json_atomic(output, result)
+    dist.barrier()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="spotline-stock-worker", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--config", required=True, help="a resolved Spotline config JSON")
+    parser.add_argument("--output", required=True, help="the JSON file rank 0 writes")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    run(args.config, Path(args.output))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""``spotline bench``: the redundancy benchmark end to end (smoke size) and its bad input.
+
+Timings are never asserted (a shared 2-core machine); only the shape of the report and the
+values that come from the pure schedule.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_spotline
+
+from spotline.launch import bench
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_redundancy_quick_first_case(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    proc = run_spotline(
+        ["bench", "redundancy", "--quick", "--cases", "2x2", "--output", str(out)], timeout=540
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((out / "bench-redundancy.json").read_text())
+    assert report["steps"] == bench.QUICK_STEPS and report["repeats"] == bench.QUICK_REPEATS
+    [case] = report["cases"]
+    assert (case["case"], case["stages"], case["workers"], case["micro_batches"]) == (
+        "2x2",
+        2,
+        2,
+        2,
+    )
+    # From the pure schedule: with 2 stages x 2 micro-batches every redundant forward fits a bubble.
+    assert case["hidden_fraction"] == 1.0
+    assert case["modes"]["eager"]["num_extra_steps"] == 0
+    assert set(case["modes"]) == {"off", "lazy", "eager"}
+    for mode, m in case["modes"].items():
+        assert m["step_time_s"] > 0, mode
+        assert len(m["peak_rss_mib_per_rank"]) == 2 and min(m["peak_rss_mib_per_rank"]) > 0, mode
+        assert len(m["redundant_compute_s_per_step_per_rank"]) == 2, mode
+    assert case["modes"]["off"]["step_time_ratio_to_off"] == 1.0
+    # Only eager runs redundant forwards; only lazy and eager synchronise replicas.
+    assert case["modes"]["off"]["redundant_compute_s_per_step_per_rank"] == [0.0, 0.0]
+    assert case["modes"]["off"]["replica_sync_s_per_step_per_rank"] == [0.0, 0.0]
+    assert min(case["modes"]["eager"]["redundant_compute_s_per_step_per_rank"]) > 0
+    assert min(case["modes"]["lazy"]["replica_sync_s_per_step_per_rank"]) > 0
+    # Redundancy never changes the math: every mode ends on the same parameters.
+    hashes = {tuple(m["param_sha256"]) for m in case["modes"].values()}
+    assert len(hashes) == 1 and len(next(iter(hashes))) == 1
+    # The table and the eager grid reached stdout.
+    assert "| 2x2 (2 procs) | eager |" in proc.stdout
+    assert "rank 0" in proc.stdout and "1RF0" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["nope"],
+        [],
+        ["foundation", "--steps", "0"],
+        ["redundancy", "--repeats", "0"],
+        ["redundancy", "--cases", "2by2"],
+        ["redundancy", "--cases", "1x4"],
+        ["foundation", "--cases", "2x2"],
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "bench"
+    assert bench.main([*argv, "--output", str(out)] if argv else argv) == 2
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("spotline: error: "), captured.err
+    assert captured.out == ""
+    assert not out.exists()
+
+
+def test_cli_dispatches_bench_bad_input() -> None:
+    proc = run_spotline(["bench", "redundancy", "--steps", "0"], timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "spotline: error: --steps 0: use at least 1 step"

@@ -1,0 +1,147 @@
+"""The run's timeline: CSV, plot and recovery numbers (spotline.report)."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from spotline.report import CSV_COLUMNS, Timeline, summarize_recoveries
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TWO_BY_TWO = {"w0": "p0:s0", "w1": "p0:s1", "w2": "p1:s0", "w3": "p1:s1"}
+
+
+def hand_made_timeline() -> Timeline:
+    timeline = Timeline()
+    timeline.record(0.0, "start", 0, 4, TWO_BY_TWO, None)
+    timeline.record(1.0, "step", 1, 4, TWO_BY_TWO, 64.0)
+    # Episode 1: w1 killed at 2.0, noticed at 2.25, w0 takes over s1 at 3.5 (1.5 s).
+    timeline.record(2.0, "preempted", 1, 3, TWO_BY_TWO, None, "kill w1")
+    timeline.record(2.25, "detected", 1, 3, TWO_BY_TWO, None)
+    doubled = {"w0": "p0:s0+s1", "w2": "p1:s0", "w3": "p1:s1"}
+    timeline.record(3.5, "recovered", 1, 3, doubled, None, "failover")
+    timeline.record(4.0, "step", 2, 3, doubled, 40.5)
+    # Episode 2: two workers lost at once (one episode), recovered 4 s after the first.
+    timeline.record(5.0, "preempted", 2, 2, doubled, None, "kill w2")
+    timeline.record(5.0, "preempted", 2, 1, doubled, None, "kill w3")
+    timeline.record(5.5, "detected", 2, 1, doubled, None)
+    timeline.record(9.0, "recovered", 2, 1, {"w0": "p0:s0+s1"}, None, "pipeline 1 dissolved")
+    timeline.record(9.5, "arrived", 2, 2, {"w0": "p0:s0+s1", "w4": "standby"}, None)
+    # Episode 3: a loss noticed only by a broken connection, recovered 0.5 s later.
+    timeline.record(10.0, "detected", 2, 1, {"w0": "p0:s0+s1"}, None)
+    timeline.record(10.5, "recovered", 2, 1, {"w0": "p0:s0+s1"}, None)
+    timeline.record(11.0, "step", 3, 1, {"w0": "p0:s0+s1"}, 20.0)
+    return timeline
+
+
+def test_csv_holds_every_row(tmp_path: Path) -> None:
+    timeline = hand_made_timeline()
+    path = tmp_path / "timeline.csv"
+    timeline.write_csv(path)
+    with open(path, newline="") as handle:
+        rows = list(csv.reader(handle))
+    assert tuple(rows[0]) == CSV_COLUMNS
+    assert len(rows) == 1 + len(timeline.rows) == 15
+    assert rows[2] == ["1.0", "step", "1", "4", "w0=p0:s0;w1=p0:s1;w2=p1:s0;w3=p1:s1", "64.0", ""]
+    assert rows[3] == [
+        "2.0",
+        "preempted",
+        "1",
+        "3",
+        "w0=p0:s0;w1=p0:s1;w2=p1:s0;w3=p1:s1",
+        "",
+        "kill w1",
+    ]
+    assert rows[5][4] == "w0=p0:s0+s1;w2=p1:s0;w3=p1:s1"
+    assert rows[6][5] == "40.5"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file left
+
+
+def test_csv_of_an_empty_timeline_is_a_header(tmp_path: Path) -> None:
+    path = tmp_path / "timeline.csv"
+    Timeline().write_csv(path)
+    assert path.read_text() == ",".join(CSV_COLUMNS) + "\n"
+
+
+def test_summarize_recoveries_on_a_hand_made_timeline() -> None:
+    summary = summarize_recoveries(hand_made_timeline().rows)
+    assert summary == {
+        "num_failures": 6,
+        "num_recoveries": 3,
+        "num_unrecovered": 0,
+        "recovery_s": [1.5, 4.0, 0.5],
+        "median_recovery_s": 1.5,
+        "max_recovery_s": 4.0,
+        "total_recovery_s": 6.0,
+        "detection_s": [0.25, 0.5],
+        "median_detection_s": 0.375,
+    }
+
+
+def test_summarize_recoveries_without_recoveries_and_with_an_open_episode() -> None:
+    empty = summarize_recoveries([])
+    assert empty["num_recoveries"] == 0 and empty["median_recovery_s"] is None
+    assert empty["max_recovery_s"] is None and empty["total_recovery_s"] == 0.0
+    timeline = Timeline()
+    timeline.record(0.0, "recovered", 0, 2, {}, None)  # nothing to pair with: ignored
+    timeline.record(1.0, "preempted", 0, 1, {}, None)
+    summary = summarize_recoveries(timeline.rows)
+    assert summary["num_failures"] == 1
+    assert summary["num_recoveries"] == 0
+    assert summary["num_unrecovered"] == 1
+
+
+def test_record_validates() -> None:
+    timeline = Timeline()
+    with pytest.raises(ValueError, match="t_s"):
+        timeline.record(-1.0, "step", 0, 1, {}, None)
+    with pytest.raises(ValueError, match="event"):
+        timeline.record(0.0, "", 0, 1, {}, None)
+    with pytest.raises(ValueError, match="placement"):
+        timeline.record(0.0, "step", 0, 1, {"w0": "p0;s0"}, None)
+    with pytest.raises(ValueError, match="samples_per_s"):
+        timeline.record(0.0, "step", 0, 1, {}, float("nan"))
+    assert timeline.rows == []
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data.startswith(PNG_MAGIC)
+    assert len(data) > 5000  # three labelled panels, not an empty canvas
+
+
+def test_plot_of_a_run_with_events(tmp_path: Path) -> None:
+    path = tmp_path / "timeline.png"
+    hand_made_timeline().plot_png(path, "hand-made run")
+    assert_png(path)
+
+
+def test_plot_of_a_run_without_events(tmp_path: Path) -> None:
+    path = tmp_path / "empty.png"
+    Timeline().plot_png(path, "nothing happened")
+    assert_png(path)
+    one = Timeline()
+    one.record(0.0, "start", 0, 2, {"w0": "p0:s0", "w1": "p0:s1"}, None)
+    one.plot_png(tmp_path / "one.png", "one row")
+    assert_png(tmp_path / "one.png")
+
+
+def test_plot_of_a_run_with_many_events(tmp_path: Path) -> None:
+    timeline = Timeline()
+    placement = {f"w{index:02d}": f"p{index // 4}:s{index % 4}" for index in range(24)}
+    for index in range(600):
+        t_s = index * 0.5
+        if index % 25 == 10:
+            victim = sorted(placement)[index % len(placement)]
+            placement = {w: s for w, s in placement.items() if w != victim}
+            timeline.record(t_s, "preempted", index, len(placement), placement, None)
+        elif index % 25 == 20:
+            placement = {**placement, f"n{index}": "standby"}
+            timeline.record(t_s, "arrived", index, len(placement), placement, None)
+        else:
+            timeline.record(t_s, "step", index, len(placement), placement, 100.0 + index % 7)
+    path = tmp_path / "many.png"
+    timeline.plot_png(path, "many events")
+    assert_png(path)
