@@ -176,6 +176,43 @@ def unpack(st_names: list[tuple[str, torch.Size]], flat: torch.Tensor, version: 
     return st
 
 
+def abort_connections(keep_port: int) -> int:
+    """Shut down this process's TCP connections except those to the store (port ``keep_port``).
+
+    Gloo has no abort: after a failure, a peer blocked on a receive from this process (or
+    this process blocked on one) waits for the process group's timeout unless the socket
+    closes, and a failed process group's sockets can outlive ``destroy_process_group``.
+    Shutting them down ends every pending operation at once, on both sides; the file
+    descriptors stay owned by gloo, which closes them when its context goes away.
+    """
+    import socket
+
+    count = 0
+    for fd_name in os.listdir("/proc/self/fd"):
+        fd = int(fd_name)
+        try:
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            try:
+                peer = sock.getpeername()
+            except OSError:
+                continue  # a listening or unconnected socket
+            local = sock.getsockname()
+            if peer[1] == keep_port or local[1] == keep_port:
+                continue
+            sock.shutdown(socket.SHUT_RDWR)
+            count += 1
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+    return count
+
+
 def packed_numel(st_names: list[tuple[str, torch.Size]]) -> int:
     return sum(3 * int(torch.Size(s).numel()) + 1 for _, s in st_names)
 
@@ -203,6 +240,7 @@ class ElasticWorker:
             if cfg.spotline.checkpoints.interval_steps > 0
             else None
         )
+        self._training_generation: int | None = None
         self.replica_checks = 0
         self.replica_mismatches: list[dict[str, int]] = []
         self.redundant_s = 0.0
@@ -215,7 +253,7 @@ class ElasticWorker:
 
     def _start_heartbeat(self) -> None:
         hb_store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=30))
-        interval = max(0.05, self.cfg.spotline.recovery.heartbeat_timeout_s / 5)
+        self._hb_interval = max(0.02, min(0.1, self.cfg.spotline.recovery.heartbeat_timeout_s / 10))
 
         def beat() -> None:
             while not self._hb_stop.is_set():
@@ -223,9 +261,14 @@ class ElasticWorker:
                     hb_store.set(f"hb/{self.wid}", repr(time.time()))
                     if self.leaving:
                         hb_store.set(f"leaving/{self.wid}", "1")
+                    training = self._training_generation
+                    if training is not None and hb_store.check([f"abort/{training}"]):
+                        # A peer failed: unblock whatever gloo operation this process waits in.
+                        self._training_generation = None
+                        abort_connections(self.port)
                 except Exception:  # the coordinator is gone: nothing left to report to
                     return
-                self._hb_stop.wait(interval)
+                self._hb_stop.wait(self._hb_interval)
 
         threading.Thread(target=beat, name="spotline-heartbeat", daemon=True).start()
 
@@ -321,6 +364,7 @@ class ElasticWorker:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
         outcome = "failed"
+        self._training_generation = generation
         try:
             engine = self._build_engine(layout)
             self._load_state(engine, layout, plan)
@@ -330,12 +374,17 @@ class ElasticWorker:
             # A peer died or left mid-step; what this process holds survives in memory.
             self._note(f"generation {generation}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
             outcome = "failed"
+            # Tell every member at once (their watchdogs unblock them), and unblock our peers.
+            self._training_generation = None
+            self.store.set(f"abort/{generation}", self.wid)
+            abort_connections(self.port)
         # Outside the except block: the traceback (and the engine it references) is gone.
+        self._training_generation = None
         self._teardown()
         return outcome
 
     def _note(self, text: str) -> None:
-        print(f"[spotline {self.wid}] {text}", flush=True)
+        print(f"[spotline {self.wid} {time.time():.2f}] {text}", flush=True)
 
     def _build_engine(self, layout: Layout) -> RedundantPipelineEngine:
         from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
@@ -473,6 +522,19 @@ class ElasticWorker:
                     os.kill(os.getpid(), signal.SIGKILL if inj.signal == "kill" else signal.SIGTERM)
 
         engine.phase_hook = phase_hook
+        world = dist.get_world_size()
+
+        def commit_barrier() -> None:
+            """All members prepared step ``current``: a counter in the store, abort-aware."""
+            key = f"commit/{generation}/{current['step']}"
+            abort = f"abort/{generation}"
+            self.store.add(key, 1)
+            while int(self.store.add(key, 0)) < world:
+                if self.store.check([abort]):
+                    raise RuntimeError(f"generation {generation} aborted by {self.store.get(abort).decode()}")
+                time.sleep(0.0005)
+
+        engine.commit_barrier = commit_barrier
         from spotline.engine import step_batches
 
         for step in range(resume, sl.training.steps):

@@ -255,6 +255,10 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         # Called with a phase name ("forward", "backward", "send", "recv", "optimizer") as
         # each instruction starts: fault injection and progress reporting hook in here.
         self.phase_hook: Callable[[str], None] | None = None
+        # The commit barrier; the elastic worker replaces it with one over the job's store
+        # that also watches for an abort (a gloo barrier can wait on a failed peer whose
+        # sockets stay open until the process group times out).
+        self.commit_barrier: Callable[[], None] = dist.barrier
 
     # -- the schedule -------------------------------------------------------------------
     def _train_schedule(self) -> LoweredSchedule:  # type: ignore[override]
@@ -315,7 +319,7 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
             self.clip_fp32_gradients()
         self.own_ready = True
         self.replica_ready = self.replica is not None and self.replica.flat_grads is not None
-        dist.barrier()
+        self.commit_barrier()
         super()._exec_optimizer_step(lr_kwargs)
         self.applied_steps += 1
         self.own_ready = False

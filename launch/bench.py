@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
@@ -203,7 +204,37 @@ def run_spotline_train(config: Path, run_dir: Path, extra_flags: Sequence[str]) 
             raise RunFailed(message, EXIT_USAGE)
         raise RunFailed(f"spotline train exited {code}; see {log_path} and {run_dir}/logs", 1)
     summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
-    return summary
+    return with_per_rank_lists(summary)
+
+
+def _id_order(worker_id: str) -> tuple[int, str]:
+    """Order worker ids ("w10" after "w2") by their number, then by text."""
+    digits = re.findall(r"\d+", worker_id)
+    return (int(digits[-1]) if digits else -1, worker_id)
+
+
+PER_RANK_FIELDS = ("peak_rss_mib", "redundant_compute_s", "replica_sync_s")
+
+
+def with_per_rank_lists(summary: dict[str, Any]) -> dict[str, Any]:
+    """``summary`` with ``<field>_per_rank`` lists, also when a summary keys them by worker.
+
+    A summary written by a coordinator may report ``<field>_per_worker`` as a mapping from
+    worker id (a string in JSON, e.g. ``w0``) to the value; ordered by id that is the per-rank list of
+    an undisturbed run. A field reported neither way stays absent.
+    """
+    out = dict(summary)
+    for name in PER_RANK_FIELDS:
+        by_worker = out.get(f"{name}_per_worker")
+        if f"{name}_per_rank" in out or by_worker is None:
+            continue
+        if isinstance(by_worker, dict):
+            out[f"{name}_per_rank"] = [
+                float(by_worker[k]) for k in sorted(by_worker, key=_id_order)
+            ]
+        else:
+            out[f"{name}_per_rank"] = [float(v) for v in by_worker]
+    return out
 
 
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -360,7 +391,10 @@ def bench_foundation(settings: BenchSettings) -> dict[str, Any]:
         variants[variant] = {
             **medians(runs, FOUNDATION_KEYS),
             "peak_rss_mib_per_rank": median_per_rank([r["peak_rss_mib_per_rank"] for r in runs]),
-            "runs": [{k: r[k] for k in (*FOUNDATION_KEYS, "peak_rss_mib_per_rank")} for r in runs],
+            "runs": [
+                {k: r[k] for k in (*FOUNDATION_KEYS, "peak_rss_mib_per_rank") if k in r}
+                for r in runs
+            ],
         }
     spot, stock = variants["spotline"], variants["stock"]
     ratios = {
@@ -445,9 +479,12 @@ def schedule_facts(case: RedundancyCase) -> dict[str, Any]:
 REDUNDANCY_KEYS = ("step_time_s", "samples_per_s", "wall_s", "process_s")
 
 
-def _per_step(values: Sequence[float], steps: int) -> list[float]:
+def _per_step_median(runs: Sequence[dict[str, Any]], key: str) -> list[float] | None:
+    """Median over runs of a per-rank total divided by the steps; None if a run lacks it."""
+    if not all(key in r for r in runs):
+        return None
     # The engine's counters add up over the whole run.
-    return [v / steps for v in values]
+    return median_per_rank([[v / r["steps"] for v in r[key]] for r in runs])
 
 
 def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -> dict[str, Any]:
@@ -483,11 +520,11 @@ def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -
                 "peak_rss_mib_per_rank": median_per_rank(
                     [r["peak_rss_mib_per_rank"] for r in runs]
                 ),
-                "redundant_compute_s_per_step_per_rank": median_per_rank(
-                    [_per_step(r["redundant_compute_s_per_rank"], r["steps"]) for r in runs]
+                "redundant_compute_s_per_step_per_rank": _per_step_median(
+                    runs, "redundant_compute_s_per_rank"
                 ),
-                "replica_sync_s_per_step_per_rank": median_per_rank(
-                    [_per_step(r["replica_sync_s_per_rank"], r["steps"]) for r in runs]
+                "replica_sync_s_per_step_per_rank": _per_step_median(
+                    runs, "replica_sync_s_per_rank"
                 ),
                 "num_extra_steps": facts["num_extra_steps"][mode],
                 "param_sha256": sorted({r["param_sha256"] for r in runs}),
@@ -518,8 +555,14 @@ def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -
                 "modes": modes,
             }
         )
+    optional = ("redundant_compute_s_per_step_per_rank", "replica_sync_s_per_step_per_rank")
+    missing = sorted(
+        {f for c in report_cases for m in c["modes"].values() for f in optional if m[f] is None}
+    )
     return {
         "bench": "redundancy",
+        # Columns the training summaries did not report (shown as n/a).
+        "missing_fields": missing,
         "model": cfg.spotline.model.name,
         "steps": settings.steps,
         "repeats": settings.repeats,
@@ -546,19 +589,29 @@ def format_redundancy(report: dict[str, Any]) -> str:
     for case in report["cases"]:
         for mode, m in case["modes"].items():
             hidden = f"{case['hidden_fraction']:.2f}" if mode == "eager" else "-"
-            ms_redundant = [v * 1000 for v in m["redundant_compute_s_per_step_per_rank"]]
-            ms_sync = [v * 1000 for v in m["replica_sync_s_per_step_per_rank"]]
+            redundant = m["redundant_compute_s_per_step_per_rank"]
+            sync = m["replica_sync_s_per_step_per_rank"]
+            ms_redundant = (
+                "n/a" if redundant is None else per_rank([v * 1000 for v in redundant], ".1f")
+            )
+            ms_sync = "n/a" if sync is None else per_rank([v * 1000 for v in sync], ".1f")
             rows.append(
                 f"| {case['case']} ({case['workers']} procs) | {mode} | {m['step_time_s'] * 1000:.1f} "
                 f"| {m['step_time_ratio_to_off']:.3f} | {per_rank(m['peak_rss_mib_per_rank'], '.0f')} "
-                f"| {m['peak_rss_ratio_to_off_max_rank']:.3f} | {per_rank(ms_redundant, '.1f')} "
-                f"| {per_rank(ms_sync, '.1f')} | {hidden} | {m['num_extra_steps']} |"
+                f"| {m['peak_rss_ratio_to_off_max_rank']:.3f} | {ms_redundant} "
+                f"| {ms_sync} | {hidden} | {m['num_extra_steps']} |"
             )
     head = (
         f"### redundancy: {report['model']}, one pipeline, one process per stage, "
         f"{report['steps']} steps, median of {report['repeats']} interleaved rounds"
     )
-    return "\n".join([head, "", *rows])
+    lines = [head, "", *rows]
+    if report["missing_fields"]:
+        lines += [
+            "",
+            f"n/a: the training summaries did not report {', '.join(report['missing_fields'])}.",
+        ]
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------- command line

@@ -298,6 +298,8 @@ class Coordinator:
             for w in died:
                 if self.workers[w].fate in ("killed", "crashed") and w in self._members():
                     self.pending_failure_t = self.pending_failure_t or self.now()
+                    # Members waiting in the commit barrier leave it at once.
+                    self.store.set(f"abort/{g}", w)
             self._check_heartbeats()
             self._deliver_timed_events()
             self._deliver_step_injections()
