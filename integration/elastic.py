@@ -280,8 +280,16 @@ class ElasticWorker:
         threading.Timer(grace, lambda: os._exit(0)).start()
 
     def _get_json(self, key: str) -> Any:
-        self.store.wait([key])
-        return json.loads(self.store.get(key).decode())
+        return self._wait_json(key)
+
+    def _wait_json(self, key: str) -> Any:
+        """Wait for a key as long as it takes (a standby may wait for minutes)."""
+        while True:
+            try:
+                self.store.wait([key], timedelta(seconds=30))
+                return json.loads(self.store.get(key).decode())
+            except dist.DistStoreError:
+                continue
 
     # -- main loop --------------------------------------------------------------------
     def run(self) -> int:
@@ -303,7 +311,7 @@ class ElasticWorker:
         )
         self._start_heartbeat()
         self.store.set(f"joined/{self.wid}", "1")
-        generation = int(self._get_json(f"entry/{self.wid}"))
+        generation = int(self._wait_json(f"entry/{self.wid}"))
         while True:
             plan = self._get_json(f"plan/{generation}")
             if plan["action"] == "finish":
@@ -517,8 +525,9 @@ class ElasticWorker:
         current = {"step": resume}
 
         def phase_hook(phase: str) -> None:
+            # Phase-less injections are the coordinator's (at a step boundary, several at once).
             for inj in self.injections:
-                if inj.signal in ("kill", "term") and inj.worker == self.index and inj.step == current["step"] and (inj.phase or "forward") == phase:
+                if inj.signal in ("kill", "term") and inj.phase == phase and inj.worker == self.index and inj.step == current["step"]:
                     os.kill(os.getpid(), signal.SIGKILL if inj.signal == "kill" else signal.SIGTERM)
 
         engine.phase_hook = phase_hook

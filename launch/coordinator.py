@@ -100,6 +100,9 @@ class Coordinator:
         self.resume_step = 0
         self.ckpt_committed: set[int] = set()
         self.first_step_t: float | None = None
+        self.included: set[str] = set()
+        self.boundary_for_joiners: set[str] = set()
+        self.awaited_joiners: set[str] = set()
 
     # -- time and events --------------------------------------------------------------
     def now(self) -> float:
@@ -136,10 +139,13 @@ class Coordinator:
         return []
 
     # -- workers ----------------------------------------------------------------------
-    def spawn(self, entry_generation: int) -> str:
+    def spawn(self, entry_generation: int | None) -> str:
+        """Start a worker. With ``entry_generation`` None it is included in a plan only once
+        it has joined (imports and data loaded), so members never wait on its start-up."""
         wid = f"w{self.next_index}"
         self.next_index += 1
-        self.store.set(f"entry/{wid}", str(entry_generation))
+        if entry_generation is not None:
+            self.include(wid, entry_generation)
         logs = self.output / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log = open(logs / f"{wid}.log", "ab")  # noqa: SIM115 - handed to the child
@@ -152,6 +158,16 @@ class Coordinator:
         log.close()
         self.workers[wid] = WorkerProc(wid, proc, self.now())
         return wid
+
+    def include(self, wid: str, generation: int) -> None:
+        self.included.add(wid)
+        self.store.set(f"entry/{wid}", str(generation))
+
+    def joined_waiting(self) -> list[str]:
+        """Live workers that finished starting up and are not in any plan yet."""
+        return [
+            w for w in self.live_ids() if w not in self.included and self.store.check([f"joined/{w}"])
+        ]
 
     def live_ids(self) -> list[str]:
         return [w for w, p in self.workers.items() if p.alive]
@@ -226,17 +242,41 @@ class Coordinator:
                         self._arrival()
 
     def _deliver_step_injections(self) -> None:
+        """``add:STEP`` and phase-less ``kill|term:STEP:WORKER`` (delivered together when a
+        member starts that step); injections with a phase are delivered by the worker itself."""
         progress = self.max_progress()
         for inj in self.injections:
-            if inj.signal == "add" and inj.step <= progress and id(inj) not in self.done_add_steps:
+            if inj.signal == "add" and id(inj) not in self.done_add_steps:
+                # Started ahead of time; members stop at the step and wait for it to join,
+                # so "add:STEP" means: trains from STEP on.
                 self.done_add_steps.add(id(inj))
-                self._arrival()
+                wid = self.spawn(None)
+                self.awaited_joiners.add(wid)
+                self._event("arrived", worker=wid, at_step=inj.step)
+                key = f"stop/{self.generation}"
+                if not self.store.check([key]):
+                    self.store.set(key, str(max(inj.step, progress + 2)))
+                continue
+            if inj.step > progress or id(inj) in self.done_add_steps:
+                continue
+            if inj.phase is None:
+                self.done_add_steps.add(id(inj))
+                wid = f"w{inj.worker}"
+                if wid in self.workers and self.workers[wid].alive:
+                    self.signal_worker(wid, inj.signal)
 
     def _arrival(self) -> None:
-        wid = self.spawn(self.generation + 1)
+        wid = self.spawn(None)
         self._event("arrived", worker=wid)
-        # Members stop at a step boundary a little ahead, so that all of them see it.
-        self._request_boundary()
+
+    def _admit_joiners(self) -> None:
+        """A started worker that has joined: members stop at the next boundary to let it in."""
+        for wid in self.joined_waiting():
+            if wid not in self.boundary_for_joiners:
+                self.boundary_for_joiners.add(wid)
+                self._event("joined", worker=wid)
+                # A step boundary a little ahead, so that every member sees it in time.
+                self._request_boundary()
 
     def _request_boundary(self) -> None:
         key = f"stop/{self.generation}"
@@ -290,7 +330,7 @@ class Coordinator:
 
     def _run_generation(self) -> str:
         g = self.generation
-        expected = set(self.live_ids())
+        expected = {w for w in self.live_ids() if w in self.included}
         first_report_t: float | None = None
         reports: dict[str, dict[str, Any]] = {}
         while True:
@@ -303,6 +343,7 @@ class Coordinator:
             self._check_heartbeats()
             self._deliver_timed_events()
             self._deliver_step_injections()
+            self._admit_joiners()
             for w in self.live_ids():
                 if self.store.check([f"leaving/{w}"]) and self.workers[w].fate in ("running", "terminated"):
                     if self.workers[w].fate == "running":
@@ -323,8 +364,6 @@ class Coordinator:
                     self._event("unresponsive", worker=w)
                     self.workers[w].proc.send_signal(signal.SIGKILL)
                     self.workers[w].fate = "killed"
-            if not expected:
-                expected = set(self.live_ids())
             time.sleep(POLL_S)
         for rep in reports.values():
             for k, v in rep.get("losses", {}).items():
@@ -347,7 +386,7 @@ class Coordinator:
                 previous_slot=tuple(reports[w]["previous_slot"]) if w in reports and reports[w]["previous_slot"] else None,
             )
             for w in self.live_ids()
-            if self.workers[w].fate == "running"
+            if self.workers[w].fate == "running" and (w in self.included or w in self.joined_waiting())
         ]
         failure = any(o == "failed" for o in outcomes.values())
         self.generation = g + 1
@@ -370,6 +409,17 @@ class Coordinator:
     def _plan_next(self, reports: list[WorkerReport], *, failure: bool, reached: int) -> None:
         S, P = self.cfg.num_stages, self.cfg.num_pipelines
         g = self.generation
+        # Injected arrivals are waited for (they were started ahead of their step).
+        deadline = time.monotonic() + 180
+        while self.awaited_joiners and time.monotonic() < deadline:
+            self._poll_processes()
+            ready = [w for w in self.awaited_joiners if self.store.check([f"joined/{w}"]) or not self.workers[w].alive]
+            for w in ready:
+                self.awaited_joiners.discard(w)
+                if self.workers[w].alive and w not in {r.worker for r in reports}:
+                    reports = [*reports, WorkerReport(w)]
+            if self.awaited_joiners:
+                time.sleep(POLL_S)
         if self.sl.recovery.mode == "checkpoint-restart" and failure:
             self._restart_all(reports)
             return
@@ -379,6 +429,9 @@ class Coordinator:
             self._restore(reports, g)
             return
         layout = result.layout
+        for r in reports:
+            if r.worker not in self.included:
+                self.include(r.worker, g)
         holders: dict[int, list[str]] = {s: [] for s in range(S)}
         for r in reports:
             for h in r.holdings:
@@ -388,10 +441,11 @@ class Coordinator:
             self._event("waiting-for-workers", live=len(reports))
             self.layout = None
             self._publish(g, self._plan_json("train", None, result.resume_step, holders, ()))
-            # Nothing trains until a worker arrives: wait for one.
-            while len(self.live_ids()) <= len(reports):
+            # Nothing trains until a worker arrives and joins: wait for one.
+            while not self.joined_waiting():
                 self._poll_processes()
                 self._deliver_timed_events()
+                self._deliver_step_injections()
                 time.sleep(POLL_S)
             return
         if failure:
@@ -431,6 +485,9 @@ class Coordinator:
         self.fallbacks += 1
         S, P = self.cfg.num_stages, self.cfg.num_pipelines
         everyone = [WorkerReport(r.worker, (), r.previous_slot) for r in reports]
+        for r in reports:
+            if r.worker not in self.included:
+                self.include(r.worker, g)
         if step is None:
             # No checkpoint yet: the only consistent state is the start.
             layout = choose_layout(S, P, everyone, usable={})
