@@ -97,6 +97,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         coordinator.shutdown()
         return 130
+    except RuntimeError as exc:
+        coordinator.shutdown()
+        print(f"spotline: error: {exc}; see {output}/logs", file=sys.stderr)
+        return 1
     except BaseException:
         coordinator.shutdown()
         raise

@@ -103,6 +103,8 @@ class Coordinator:
         self.included: set[str] = set()
         self.boundary_for_joiners: set[str] = set()
         self.awaited_joiners: set[str] = set()
+        self.clock_t: float | None = None
+        self.initial_ids: list[str] = []
 
     # -- time and events --------------------------------------------------------------
     def now(self) -> float:
@@ -229,7 +231,18 @@ class Coordinator:
                     self.workers[w].fate = "killed"
 
     def _deliver_timed_events(self) -> None:
-        while self.timed and self.timed[0].at_s <= self.now():
+        # Trace time 0 is when the initial workers have started up (start-up is not part of
+        # the trace), or the first training step, whichever comes first.
+        if self.clock_t is None:
+            self.max_progress()
+            started = all(
+                self.store.check([f"joined/{w}"]) or not self.workers[w].alive for w in self.initial_ids
+            )
+            if self.first_step_t is None and not started:
+                return
+            self.clock_t = self.first_step_t or time.monotonic()
+        elapsed = time.monotonic() - self.clock_t
+        while self.timed and self.timed[0].at_s <= elapsed:
             ev = self.timed.pop(0)
             if ev.kind == "remove":
                 members = [w for w in self.live_ids() if self.workers[w].fate == "running"]
@@ -302,6 +315,7 @@ class Coordinator:
         initial = getattr(self, "trace_initial", None) or self.cfg.num_workers
         initial = min(initial, self.sl.recovery.max_workers or self.cfg.num_workers)
         ids = [self.spawn(0) for _ in range(initial)]
+        self.initial_ids = list(ids)
         self.layout = initial_layout(S, P, ids)
         self._publish(0, self._plan_json("train", self.layout, 0, {}, []))
         self._event("start", workers=len(ids))
@@ -328,9 +342,33 @@ class Coordinator:
             return []
         return list(self.layout.members)
 
+    def _wait_for_joiners(self) -> list[str]:
+        """Block until a started worker has joined (trace arrivals, replacements)."""
+        while True:
+            self._poll_processes()
+            self._deliver_timed_events()
+            self._deliver_step_injections()
+            joiners = self.joined_waiting()
+            if joiners:
+                return joiners
+            starting = [w for w in self.live_ids() if not self.store.check([f"joined/{w}"])]
+            if not starting and not self.timed:
+                raise RuntimeError(
+                    f"{len(self.live_ids())} worker(s) left, fewer than the {self.cfg.num_pipelines} "
+                    "pipeline(s) need, and none is scheduled to arrive (the trace has ended)"
+                )
+            time.sleep(POLL_S)
+
     def _run_generation(self) -> str:
         g = self.generation
         expected = {w for w in self.live_ids() if w in self.included}
+        if not expected:
+            # Everyone in the last plan is gone: wait for new workers, then restore.
+            self._event("waiting-for-workers", live=0)
+            joiners = self._wait_for_joiners()
+            self.generation = g + 1
+            self._plan_next([WorkerReport(w) for w in joiners], failure=True, reached=self.max_progress() + 1)
+            return "continue"
         first_report_t: float | None = None
         reports: dict[str, dict[str, Any]] = {}
         while True:
@@ -424,6 +462,19 @@ class Coordinator:
             self._restart_all(reports)
             return
         result: GenerationPlan | FatalLoss = plan_generation(g, S, P, reports)
+        never_trained = self.resume_step == 0 and not any(r.holdings for r in reports) and not self.ckpt_committed
+        if isinstance(result, FatalLoss) and never_trained:
+            # Nothing was trained yet: every worker builds the initial weights itself.
+            layout = choose_layout(S, P, reports, usable={})
+            for r in reports:
+                if r.worker not in self.included:
+                    self.include(r.worker, g)
+            self.layout = layout
+            self._publish(g, self._plan_json("train", layout, 0, {}, []))
+            self._event("plan", generation=g, stages="fresh start" if layout else "waiting")
+            if layout is None:
+                self._wait_for_joiners()
+            return
         if isinstance(result, FatalLoss):
             self._event("fatal-loss", stages=list(result.lost_stages))
             self._restore(reports, g)
@@ -442,11 +493,7 @@ class Coordinator:
             self.layout = None
             self._publish(g, self._plan_json("train", None, result.resume_step, holders, ()))
             # Nothing trains until a worker arrives and joins: wait for one.
-            while not self.joined_waiting():
-                self._poll_processes()
-                self._deliver_timed_events()
-                self._deliver_step_injections()
-                time.sleep(POLL_S)
+            self._wait_for_joiners()
             return
         if failure:
             self.steps_redone += max(0, reached - result.resume_step)
@@ -488,6 +535,11 @@ class Coordinator:
         for r in reports:
             if r.worker not in self.included:
                 self.include(r.worker, g)
+        if not everyone:
+            self.layout = None
+            self.resume_step = step or 0
+            self._publish(g, self._plan_json("train", None, self.resume_step, {}, ()))
+            return
         if step is None:
             # No checkpoint yet: the only consistent state is the start.
             layout = choose_layout(S, P, everyone, usable={})
@@ -495,6 +547,9 @@ class Coordinator:
             self.layout, self.resume_step = layout, 0
             self._publish(g, self._plan_json("train", layout, 0, {}, []))
             self._event("restart-from-scratch")
+            if layout is None:
+                self._wait_for_joiners()
+                return
         else:
             usable = {s: [r.worker for r in reports] for s in range(S)}
             layout = choose_layout(S, P, everyone, usable=usable)
@@ -504,6 +559,9 @@ class Coordinator:
             sources = [(s, layout.members[0]) for s in range(S)] if layout else []
             self._publish(g, self._plan_json("restore", layout, step, holders, sources, checkpoint_step=step))
             self._event("checkpoint-fallback", step=step)
+            if layout is None:
+                self._wait_for_joiners()
+                return
         self._await_recovered(g, self.pending_failure_t or self.now())
         self.pending_failure_t = None
 
