@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from spotline import models
-from spotline.checkpoint import CheckpointWriter, latest_complete, load_all
+from spotline.checkpoint import CheckpointWriter, load_all
 from spotline.config import RunConfig
 from spotline.engine import build_engine, deepspeed_config_for
 from spotline.plan.chaos import parse_injections
@@ -87,7 +87,11 @@ def _opt_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, t
     state = optimizer.state.get(p, {})
     if not state:
         # AdamW creates zeros at its first step: the same as loading zeros with step 0.
-        return {"step": torch.zeros(()), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        return {
+            "step": torch.zeros(()),
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+        }
     return {k: state[k].detach().clone() for k in OPT_KEYS}
 
 
@@ -98,7 +102,9 @@ def extract_holdings(engine: RedundantPipelineEngine, logical: list[int]) -> Hol
     for name, p in named:
         stage = stage_of_name(name, logical)
         # Own gradients are clipped in place before the commit barrier: clip 1.0 here.
-        st = out.stages.setdefault(stage, StageState(engine.applied_steps, {}, {}, {} if engine.own_ready else None, 1.0))
+        st = out.stages.setdefault(
+            stage, StageState(engine.applied_steps, {}, {}, {} if engine.own_ready else None, 1.0)
+        )
         st.params[name] = p.detach().clone()
         st.opt[name] = _opt_state(engine.optimizer, p)
         if st.grads is not None:
@@ -120,7 +126,14 @@ def extract_holdings(engine: RedundantPipelineEngine, logical: list[int]) -> Hol
             if stage in own_stages:
                 continue  # never: a replica holds another physical stage's layers
             st = out.stages.setdefault(
-                stage, StageState(engine.replica_applied_steps, {}, {}, {} if grads is not None else None, engine.last_clip_coefficient)
+                stage,
+                StageState(
+                    engine.replica_applied_steps,
+                    {},
+                    {},
+                    {} if grads is not None else None,
+                    engine.last_clip_coefficient,
+                ),
             )
             st.params[name] = p.detach().clone()
             st.opt[name] = _opt_state(replica.optimizer, p)
@@ -129,7 +142,9 @@ def extract_holdings(engine: RedundantPipelineEngine, logical: list[int]) -> Hol
     return out
 
 
-def roll_forward(st: StageState, optimizer_cls: type[torch.optim.Optimizer], hyper: dict[str, Any], lr: float) -> None:
+def roll_forward(
+    st: StageState, optimizer_cls: type[torch.optim.Optimizer], hyper: dict[str, Any], lr: float
+) -> None:
     """Apply the committed step this stage holds final gradients for (no communication)."""
     assert st.grads is not None
     names = sorted(st.params)
@@ -137,13 +152,13 @@ def roll_forward(st: StageState, optimizer_cls: type[torch.optim.Optimizer], hyp
     optimizer = optimizer_cls(params, **hyper)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    for n, p in zip(names, params):
+    for n, p in zip(names, params, strict=True):
         optimizer.state[p] = {k: v.clone() for k, v in st.opt[n].items()}
         p.grad = st.grads[n].clone()
         if st.clip < 1.0:
             p.grad.mul_(st.clip)
     optimizer.step()
-    for n, p in zip(names, params):
+    for n, p in zip(names, params, strict=True):
         st.params[n] = p.detach().clone()
         st.opt[n] = {k: optimizer.state[p][k].detach().clone() for k in OPT_KEYS}
     st.version += 1
@@ -195,7 +210,10 @@ def abort_connections(keep_port: int) -> int:
         except OSError:
             continue
         try:
-            if sock.type != socket.SOCK_STREAM or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            if sock.type != socket.SOCK_STREAM or sock.family not in (
+                socket.AF_INET,
+                socket.AF_INET6,
+            ):
                 continue
             try:
                 peer = sock.getpeername()
@@ -252,7 +270,9 @@ class ElasticWorker:
         return Path(d) if d else self.output / "checkpoints"
 
     def _start_heartbeat(self) -> None:
-        hb_store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=30))
+        hb_store = dist.TCPStore(
+            self.host, self.port, is_master=False, timeout=timedelta(seconds=30)
+        )
         self._hb_interval = max(0.02, min(0.1, self.cfg.spotline.recovery.heartbeat_timeout_s / 10))
 
         def beat() -> None:
@@ -295,7 +315,9 @@ class ElasticWorker:
     def run(self) -> int:
         signal.signal(signal.SIGTERM, self._on_term)
         sl = self.cfg.spotline
-        configure_process(intra_op_threads=sl.determinism.intra_op_threads, deterministic=sl.determinism.enabled)
+        configure_process(
+            intra_op_threads=sl.determinism.intra_op_threads, deterministic=sl.determinism.enabled
+        )
         seed_everything(sl.training.seed)
         from spotline.trainer import prepare_inputs, quiet_libraries
 
@@ -380,7 +402,9 @@ class ElasticWorker:
             outcome = self._train(engine, generation, resume)
         except (RuntimeError, dist.DistBackendError, ConnectionError) as exc:
             # A peer died or left mid-step; what this process holds survives in memory.
-            self._note(f"generation {generation}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}")
+            self._note(
+                f"generation {generation}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+            )
             outcome = "failed"
             # Tell every member at once (their watchdogs unblock them), and unblock our peers.
             self._training_generation = None
@@ -398,7 +422,9 @@ class ElasticWorker:
         from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
 
         sl = self.cfg.spotline
-        topology = PipeDataParallelTopology(num_pp=layout.num_physical_stages, num_dp=layout.num_pipelines)
+        topology = PipeDataParallelTopology(
+            num_pp=layout.num_physical_stages, num_dp=layout.num_pipelines
+        )
         module = models.build_pipeline_module(
             self.hf_config,
             layout.num_physical_stages,
@@ -415,11 +441,15 @@ class ElasticWorker:
             redundancy=sl.redundancy.mode,
             replica_device=sl.redundancy.replica_device,
         )
-        engine.batch_source = lambda step, worker, mb: self.corpus.batch(self.sampler.indices(step, worker, mb))
+        engine.batch_source = lambda step, worker, mb: self.corpus.batch(
+            self.sampler.indices(step, worker, mb)
+        )
         self._engine = engine
         return engine
 
-    def _optimizer_recipe(self, engine: RedundantPipelineEngine) -> tuple[type[torch.optim.Optimizer], dict[str, Any], float]:
+    def _optimizer_recipe(
+        self, engine: RedundantPipelineEngine
+    ) -> tuple[type[torch.optim.Optimizer], dict[str, Any], float]:
         opt = engine.optimizer
         accepted = inspect.signature(type(opt).__init__).parameters
         hyper = {k: v for k, v in opt.defaults.items() if k in accepted}
@@ -437,7 +467,9 @@ class ElasticWorker:
             else:
                 st.grads = None
 
-    def _load_state(self, engine: RedundantPipelineEngine, layout: Layout, plan: dict[str, Any]) -> None:
+    def _load_state(
+        self, engine: RedundantPipelineEngine, layout: Layout, plan: dict[str, Any]
+    ) -> None:
         """Own stages from memory or from the plan's source; replicas by a ring transfer."""
         self._recipe = self._optimizer_recipe(engine)
         holders = {int(s): ws for s, ws in plan["holders"].items()}
@@ -455,7 +487,13 @@ class ElasticWorker:
                     src = sources[stage]
                     if src == self.wid:
                         names = self._names_for_stage_from_holdings(stage)
-                        ops.append(dist.P2POp(dist.isend, pack(names, self.holdings.stages[stage]), layout.rank_of(member)))
+                        ops.append(
+                            dist.P2POp(
+                                dist.isend,
+                                pack(names, self.holdings.stages[stage]),
+                                layout.rank_of(member),
+                            )
+                        )
                     if member == self.wid:
                         buf = torch.empty(packed_numel(own_names[stage]))
                         ops.append(dist.P2POp(dist.irecv, buf, layout.rank_of(src)))
@@ -464,14 +502,18 @@ class ElasticWorker:
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
             for stage, buf in incoming:
-                self.holdings.stages[stage] = unpack(own_names[stage], buf, int(plan["resume_step"]))
+                self.holdings.stages[stage] = unpack(
+                    own_names[stage], buf, int(plan["resume_step"])
+                )
             params = dict(engine.module.named_parameters())
             for stage, names in own_names.items():
                 st = self.holdings.stages[stage]
                 for name, _ in names:
                     with torch.no_grad():
                         params[name].copy_(st.params[name])
-                    engine.optimizer.state[params[name]] = {k: v.clone() for k, v in st.opt[name].items()}
+                    engine.optimizer.state[params[name]] = {
+                        k: v.clone() for k, v in st.opt[name].items()
+                    }
         resume = int(plan["resume_step"])
         engine.applied_steps = resume
         engine.global_steps = resume
@@ -497,7 +539,9 @@ class ElasticWorker:
                 for name, _ in rep_names[stage]:
                     with torch.no_grad():
                         rparams[name].copy_(st.params[name])
-                    engine.replica.optimizer.state[rparams[name]] = {k: v.clone() for k, v in st.opt[name].items()}
+                    engine.replica.optimizer.state[rparams[name]] = {
+                        k: v.clone() for k, v in st.opt[name].items()
+                    }
             engine.replica_applied_steps = resume
         self.holdings = Holdings()  # the engine holds it all now
 
@@ -514,7 +558,9 @@ class ElasticWorker:
     def _engine_stage_state(self, engine: RedundantPipelineEngine) -> dict[int, StageState]:
         out: dict[int, StageState] = {}
         for name, p in engine.module.named_parameters():
-            st = out.setdefault(stage_of_name(name, self.logical), StageState(engine.applied_steps, {}, {}))
+            st = out.setdefault(
+                stage_of_name(name, self.logical), StageState(engine.applied_steps, {}, {})
+            )
             st.params[name] = p.detach()
             st.opt[name] = _opt_state(engine.optimizer, p)
         return out
@@ -527,7 +573,12 @@ class ElasticWorker:
         def phase_hook(phase: str) -> None:
             # Phase-less injections are the coordinator's (at a step boundary, several at once).
             for inj in self.injections:
-                if inj.signal in ("kill", "term") and inj.phase == phase and inj.worker == self.index and inj.step == current["step"]:
+                if (
+                    inj.signal in ("kill", "term")
+                    and inj.phase == phase
+                    and inj.worker == self.index
+                    and inj.step == current["step"]
+                ):
                     os.kill(os.getpid(), signal.SIGKILL if inj.signal == "kill" else signal.SIGTERM)
 
         engine.phase_hook = phase_hook
@@ -540,7 +591,9 @@ class ElasticWorker:
             self.store.add(key, 1)
             while int(self.store.add(key, 0)) < world:
                 if self.store.check([abort]):
-                    raise RuntimeError(f"generation {generation} aborted by {self.store.get(abort).decode()}")
+                    raise RuntimeError(
+                        f"generation {generation} aborted by {self.store.get(abort).decode()}"
+                    )
                 time.sleep(0.0005)
 
         engine.commit_barrier = commit_barrier
@@ -555,7 +608,12 @@ class ElasticWorker:
             t0 = time.perf_counter()
             engine.begin_step(seed=sl.training.seed, step=step, logical_worker=pipeline)
             loss = engine.train_batch(
-                data_iter=step_batches(engine.batch_source, step=step, logical_worker=pipeline, num_micro_batches=self.cfg.num_micro_batches)
+                data_iter=step_batches(
+                    engine.batch_source,
+                    step=step,
+                    logical_worker=pipeline,
+                    num_micro_batches=self.cfg.num_micro_batches,
+                )
             )
             self.losses[step] = float(loss)
             self.step_times[step] = time.perf_counter() - t0
@@ -651,15 +709,23 @@ class ElasticWorker:
         mine: dict[str, torch.Tensor] = {}
         if engine.grid.data_parallel_id == 0:
             mine = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
-        gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+        gathered: list[dict[str, torch.Tensor]] | None = (
+            [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+        )
         dist.gather_object(mine, gathered, dst=0)
         if gathered is not None:
             full: dict[str, torch.Tensor] = {}
             for part in gathered:
                 full.update(part)
             hf = models.layer_names_to_hf(full, self.hf_config)
-            models.save_pretrained(models.hf_to_layer_names(hf, self.hf_config), self.hf_config, str(self.output / "model"))
-            self.store.set("final/param_sha256", param_sha256(models.drop_tied_aliases(hf, self.hf_config)))
+            models.save_pretrained(
+                models.hf_to_layer_names(hf, self.hf_config),
+                self.hf_config,
+                str(self.output / "model"),
+            )
+            self.store.set(
+                "final/param_sha256", param_sha256(models.drop_tied_aliases(hf, self.hf_config))
+            )
         dist.barrier()
 
 
@@ -696,7 +762,9 @@ def main() -> int:
     parser.add_argument("--store", required=True)
     args = parser.parse_args()
     try:
-        worker = ElasticWorker(load_config(args.config), args.worker_id, args.store, Path(args.output))
+        worker = ElasticWorker(
+            load_config(args.config), args.worker_id, args.store, Path(args.output)
+        )
         return worker.run()
     except UserError as exc:
         print(f"spotline: error: {exc}", flush=True)

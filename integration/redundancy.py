@@ -206,7 +206,9 @@ class Replica:
         assert offset == flat.numel()
 
 
-def state_digest(named_params: list[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer) -> str:
+def state_digest(
+    named_params: list[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer
+) -> str:
     """SHA-256 over parameters and their optimizer state, by name (the exactness check)."""
     h = hashlib.sha256()
     for name, p in sorted(named_params, key=lambda item: item[0]):
@@ -222,7 +224,9 @@ def state_digest(named_params: list[tuple[str, torch.Tensor]], optimizer: torch.
 class RedundantPipelineEngine(SpotlinePipelineEngine):
     """``SpotlinePipelineEngine`` plus Bamboo replicas and redundant computation."""
 
-    def __init__(self, *args: Any, redundancy: str = "off", replica_device: str = "host", **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, redundancy: str = "off", replica_device: str = "host", **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         if redundancy not in plan.REDUNDANCY_MODES:
             raise ValueError(f"redundancy {redundancy!r}: expected one of {plan.REDUNDANCY_MODES}")
@@ -479,7 +483,12 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         me = self.stage_id
         ops: list[dist.P2POp] = []
 
-        def transfer(src_stage: int, dst_stage: int, make_send: Callable[[], torch.Tensor], recv_like: torch.Tensor | None) -> torch.Tensor | None:
+        def transfer(
+            src_stage: int,
+            dst_stage: int,
+            make_send: Callable[[], torch.Tensor],
+            recv_like: torch.Tensor | None,
+        ) -> torch.Tensor | None:
             if src_stage == dst_stage == me:
                 return make_send()
             if src_stage == me:

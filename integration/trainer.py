@@ -273,7 +273,9 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "recovery_events": [],
         }
         models.save_pretrained(
-            _pipeline_state_from_hf(hf_params, worker.hf_config), worker.hf_config, str(output_dir / "model")
+            _pipeline_state_from_hf(hf_params, worker.hf_config),
+            worker.hf_config,
+            str(output_dir / "model"),
         )
         write_json_atomic(output_dir / SUMMARY_NAME, summary)
     tracker.finish(summary)

@@ -9,7 +9,6 @@ looks like a finished run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
@@ -105,7 +104,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         coordinator.shutdown()
         raise
     if summary.get("param_sha256") is None:
-        print(f"spotline: error: the run ended without a result; see {output}/logs", file=sys.stderr)
+        print(
+            f"spotline: error: the run ended without a result; see {output}/logs", file=sys.stderr
+        )
         return 1
     write_json_atomic(output / SUMMARY_NAME, summary)
     coordinator.log_to_wandb(summary)
@@ -123,13 +124,17 @@ def validate_recovery(cfg: Any) -> None:
     check_injections(injections, num_workers=cfg.num_workers, num_steps=cfg.spotline.training.steps)
     if rec.trace is not None:
         if not Path(rec.trace).is_file():
-            raise UserError(f"--trace {rec.trace}: no such file; pass a trace file (see shared/traces/README.md)")
+            raise UserError(
+                f"--trace {rec.trace}: no such file; pass a trace file (see shared/traces/README.md)"
+            )
         try:
             load_trace(rec.trace)
         except ValueError as exc:
             raise UserError(f"--trace {rec.trace}: {exc}") from None
     if rec.time_scale <= 0:
-        raise UserError(f"--time-scale {rec.time_scale}: expected a positive number of trace seconds per second")
+        raise UserError(
+            f"--time-scale {rec.time_scale}: expected a positive number of trace seconds per second"
+        )
     if rec.preempt_rate < 0:
         raise UserError(f"--preempt-rate {rec.preempt_rate}: expected a rate >= 0 per worker-hour")
 
@@ -163,7 +168,9 @@ def terminate(procs: list[subprocess.Popen[bytes]]) -> None:
 
 def format_summary(s: dict[str, Any], output: Path) -> str:
     first, last = s["losses"][0], s["final_loss"]
-    loss = f"loss {first:.4f} -> {last:.4f}" if first is not None and last is not None else "loss n/a"
+    loss = (
+        f"loss {first:.4f} -> {last:.4f}" if first is not None and last is not None else "loss n/a"
+    )
     return "\n".join(
         [
             f"spotline: trained {s['model']} for {s['steps']} steps on {s['workers']} workers "

@@ -69,14 +69,18 @@ class Event:
 
 
 class Coordinator:
-    def __init__(self, cfg: RunConfig, config_path: Path, output: Path, *, env: dict[str, str]) -> None:
+    def __init__(
+        self, cfg: RunConfig, config_path: Path, output: Path, *, env: dict[str, str]
+    ) -> None:
         self.cfg = cfg
         self.sl = cfg.spotline
         self.config_path = config_path
         self.output = output
         self.env = env
         self.t0 = time.monotonic()
-        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        self.store = dist.TCPStore(
+            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        )
         self.store_addr = f"127.0.0.1:{self.store.port}"
         self.workers: dict[str, WorkerProc] = {}
         self.next_index = 0
@@ -105,6 +109,7 @@ class Coordinator:
         self.awaited_joiners: set[str] = set()
         self.clock_t: float | None = None
         self.initial_ids: list[str] = []
+        self.worker_stats: dict[str, dict[str, Any]] = {}
 
     # -- time and events --------------------------------------------------------------
     def now(self) -> float:
@@ -115,12 +120,25 @@ class Coordinator:
         placement = {}
         if self.layout is not None:
             for w in self.live_ids():
-                placement[w] = self.layout.describe(w) if w in self.layout.members or w in self.layout.standby else "joining"
+                placement[w] = (
+                    self.layout.describe(w)
+                    if w in self.layout.members or w in self.layout.standby
+                    else "joining"
+                )
         self.timeline.record(
-            self.now(), kind, self.max_progress(), len(self.live_ids()), placement, None,
+            self.now(),
+            kind,
+            self.max_progress(),
+            len(self.live_ids()),
+            placement,
+            None,
             ";".join(f"{k}:{v}" for k, v in detail.items()).replace("=", ":"),
         )
-        print(f"spotline: [{self.now():7.2f}s] {kind} {detail if detail else ''}", file=sys.stderr, flush=True)
+        print(
+            f"spotline: [{self.now():7.2f}s] {kind} {detail if detail else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _preempt_seed(self) -> int:
         seed = self.sl.recovery.preempt_seed
@@ -130,13 +148,24 @@ class Coordinator:
         rec = self.sl.recovery
         cap = rec.max_workers or self.cfg.num_workers
         if rec.trace:
-            replay = replay_trace(load_trace(rec.trace), max_workers=cap, time_scale=rec.time_scale, removal=rec.trace_removal)
+            replay = replay_trace(
+                load_trace(rec.trace),
+                max_workers=cap,
+                time_scale=rec.time_scale,
+                removal=rec.trace_removal,
+            )
             self.trace_initial = replay.initial_workers
             return list(replay.events)
         if rec.preempt_rate > 0:
             # A horizon long enough for the run; events past the end are never reached.
             return random_preemptions(
-                rec.preempt_rate, self.cfg.num_workers, 3600.0 * 24, self._preempt_seed(), rec.time_scale, rec.replace_after_s, removal=rec.trace_removal
+                rec.preempt_rate,
+                self.cfg.num_workers,
+                3600.0 * 24,
+                self._preempt_seed(),
+                rec.time_scale,
+                rec.replace_after_s,
+                removal=rec.trace_removal,
             )
         return []
 
@@ -152,7 +181,19 @@ class Coordinator:
         logs.mkdir(parents=True, exist_ok=True)
         log = open(logs / f"{wid}.log", "ab")  # noqa: SIM115 - handed to the child
         proc = subprocess.Popen(
-            [sys.executable, "-m", "spotline.elastic", "--config", str(self.config_path), "--output", str(self.output), "--worker-id", wid, "--store", self.store_addr],
+            [
+                sys.executable,
+                "-m",
+                "spotline.elastic",
+                "--config",
+                str(self.config_path),
+                "--output",
+                str(self.output),
+                "--worker-id",
+                wid,
+                "--store",
+                self.store_addr,
+            ],
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -168,7 +209,9 @@ class Coordinator:
     def joined_waiting(self) -> list[str]:
         """Live workers that finished starting up and are not in any plan yet."""
         return [
-            w for w in self.live_ids() if w not in self.included and self.store.check([f"joined/{w}"])
+            w
+            for w in self.live_ids()
+            if w not in self.included and self.store.check([f"joined/{w}"])
         ]
 
     def live_ids(self) -> list[str]:
@@ -236,7 +279,8 @@ class Coordinator:
         if self.clock_t is None:
             self.max_progress()
             started = all(
-                self.store.check([f"joined/{w}"]) or not self.workers[w].alive for w in self.initial_ids
+                self.store.check([f"joined/{w}"]) or not self.workers[w].alive
+                for w in self.initial_ids
             )
             if self.first_step_t is None and not started:
                 return
@@ -300,7 +344,15 @@ class Coordinator:
     def _publish(self, generation: int, plan: dict[str, Any]) -> None:
         self.store.set(f"plan/{generation}", json.dumps(plan))
 
-    def _plan_json(self, action: str, layout: Layout | None, resume: int, holders: dict[int, list[str]], sources: Any, **extra: Any) -> dict[str, Any]:
+    def _plan_json(
+        self,
+        action: str,
+        layout: Layout | None,
+        resume: int,
+        holders: dict[int, list[str]],
+        sources: Any,
+        **extra: Any,
+    ) -> dict[str, Any]:
         return {
             "action": action,
             "layout": layout_to_json(layout) if layout is not None else None,
@@ -367,7 +419,9 @@ class Coordinator:
             self._event("waiting-for-workers", live=0)
             joiners = self._wait_for_joiners()
             self.generation = g + 1
-            self._plan_next([WorkerReport(w) for w in joiners], failure=True, reached=self.max_progress() + 1)
+            self._plan_next(
+                [WorkerReport(w) for w in joiners], failure=True, reached=self.max_progress() + 1
+            )
             return "continue"
         first_report_t: float | None = None
         reports: dict[str, dict[str, Any]] = {}
@@ -383,7 +437,10 @@ class Coordinator:
             self._deliver_step_injections()
             self._admit_joiners()
             for w in self.live_ids():
-                if self.store.check([f"leaving/{w}"]) and self.workers[w].fate in ("running", "terminated"):
+                if self.store.check([f"leaving/{w}"]) and self.workers[w].fate in (
+                    "running",
+                    "terminated",
+                ):
                     if self.workers[w].fate == "running":
                         self.preemptions += 1  # a SIGTERM the worker delivered to itself
                     self.workers[w].fate = "left"
@@ -397,7 +454,11 @@ class Coordinator:
             waiting_on = [w for w in expected if self.workers[w].alive and w not in reports]
             if not waiting_on and expected:
                 break
-            if first_report_t is not None and waiting_on and self.now() - first_report_t > self.sl.recovery.collective_timeout_s + 5:
+            if (
+                first_report_t is not None
+                and waiting_on
+                and self.now() - first_report_t > self.sl.recovery.collective_timeout_s + 5
+            ):
                 for w in waiting_on:  # hung: its peers reported long ago
                     self._event("unresponsive", worker=w)
                     self.workers[w].proc.send_signal(signal.SIGKILL)
@@ -408,7 +469,9 @@ class Coordinator:
                 self.losses[int(k)] = v
             for k, v in rep.get("step_times", {}).items():
                 self.step_times[int(k)] = v
-            self.peaks[rep["worker"]] = max(self.peaks.get(rep["worker"], 0.0), rep.get("peak_rss_mib", 0.0))
+            w = rep["worker"]
+            self.peaks[w] = max(self.peaks.get(w, 0.0), rep.get("peak_rss_mib", 0.0))
+            self.worker_stats[w] = rep
         outcomes = {w: r["outcome"] for w, r in reports.items()}
         members = self._members()
         if members and all(outcomes.get(w) == "done" for w in members):
@@ -420,11 +483,18 @@ class Coordinator:
         live_reports = [
             WorkerReport(
                 worker=w,
-                holdings=tuple(Holding(int(s), int(v), bool(r)) for s, v, r in reports[w]["holdings"]) if w in reports else (),
-                previous_slot=tuple(reports[w]["previous_slot"]) if w in reports and reports[w]["previous_slot"] else None,
+                holdings=tuple(
+                    Holding(int(s), int(v), bool(r)) for s, v, r in reports[w]["holdings"]
+                )
+                if w in reports
+                else (),
+                previous_slot=tuple(reports[w]["previous_slot"])
+                if w in reports and reports[w]["previous_slot"]
+                else None,
             )
             for w in self.live_ids()
-            if self.workers[w].fate == "running" and (w in self.included or w in self.joined_waiting())
+            if self.workers[w].fate == "running"
+            and (w in self.included or w in self.joined_waiting())
         ]
         failure = any(o == "failed" for o in outcomes.values())
         self.generation = g + 1
@@ -437,7 +507,11 @@ class Coordinator:
             return
         from spotline.checkpoint import CheckpointWriter
 
-        root = Path(self.sl.checkpoints.dir) if self.sl.checkpoints.dir else self.output / "checkpoints"
+        root = (
+            Path(self.sl.checkpoints.dir)
+            if self.sl.checkpoints.dir
+            else self.output / "checkpoints"
+        )
         writer = CheckpointWriter(root, self.sl.checkpoints.keep)
         labels = [f"stage-{s}" for s in range(self.cfg.num_stages)]
         for step in range(interval, self.max_progress() + 2, interval):
@@ -451,7 +525,11 @@ class Coordinator:
         deadline = time.monotonic() + 180
         while self.awaited_joiners and time.monotonic() < deadline:
             self._poll_processes()
-            ready = [w for w in self.awaited_joiners if self.store.check([f"joined/{w}"]) or not self.workers[w].alive]
+            ready = [
+                w
+                for w in self.awaited_joiners
+                if self.store.check([f"joined/{w}"]) or not self.workers[w].alive
+            ]
             for w in ready:
                 self.awaited_joiners.discard(w)
                 if self.workers[w].alive and w not in {r.worker for r in reports}:
@@ -459,10 +537,14 @@ class Coordinator:
             if self.awaited_joiners:
                 time.sleep(POLL_S)
         if self.sl.recovery.mode == "checkpoint-restart" and failure:
-            self._restart_all(reports)
+            self._restart_all(reports, reached)
             return
         result: GenerationPlan | FatalLoss = plan_generation(g, S, P, reports)
-        never_trained = self.resume_step == 0 and not any(r.holdings for r in reports) and not self.ckpt_committed
+        never_trained = (
+            self.resume_step == 0
+            and not any(r.holdings for r in reports)
+            and not self.ckpt_committed
+        )
         if isinstance(result, FatalLoss) and never_trained:
             # Nothing was trained yet: every worker builds the initial weights itself.
             layout = choose_layout(S, P, reports, usable={})
@@ -477,7 +559,7 @@ class Coordinator:
             return
         if isinstance(result, FatalLoss):
             self._event("fatal-loss", stages=list(result.lost_stages))
-            self._restore(reports, g)
+            self._restore(reports, g, reached)
             return
         layout = result.layout
         for r in reports:
@@ -486,7 +568,9 @@ class Coordinator:
         holders: dict[int, list[str]] = {s: [] for s in range(S)}
         for r in reports:
             for h in r.holdings:
-                if h.version == result.resume_step or (h.version == result.resume_step - 1 and h.ready):
+                if h.version == result.resume_step or (
+                    h.version == result.resume_step - 1 and h.ready
+                ):
                     holders[h.stage].append(r.worker)
         if layout is None:
             self._event("waiting-for-workers", live=len(reports))
@@ -499,8 +583,15 @@ class Coordinator:
             self.steps_redone += max(0, reached - result.resume_step)
         self.layout = layout
         self.resume_step = result.resume_step
-        self._publish(g, self._plan_json("train", layout, result.resume_step, holders, result.sources))
-        self._event("plan", generation=g, stages="/".join("+".join(map(str, gr)) for gr in layout.groups), resume=result.resume_step)
+        self._publish(
+            g, self._plan_json("train", layout, result.resume_step, holders, result.sources)
+        )
+        self._event(
+            "plan",
+            generation=g,
+            stages="/".join("+".join(map(str, gr)) for gr in layout.groups),
+            resume=result.resume_step,
+        )
         if failure:
             self.recoveries += 1
             started = self.pending_failure_t or self.now()
@@ -521,13 +612,19 @@ class Coordinator:
                 break
             time.sleep(POLL_S)
         seconds = self.now() - started
-        self.recovery_events.append({"generation": g, "resume_step": self.resume_step, "recovery_s": seconds})
+        self.recovery_events.append(
+            {"generation": g, "resume_step": self.resume_step, "recovery_s": seconds}
+        )
         self._event("recovered", generation=g, seconds=round(seconds, 3))
 
-    def _restore(self, reports: list[WorkerReport], g: int) -> None:
+    def _restore(self, reports: list[WorkerReport], g: int, reached: int = 0) -> None:
         from spotline.checkpoint import latest_complete
 
-        root = Path(self.sl.checkpoints.dir) if self.sl.checkpoints.dir else self.output / "checkpoints"
+        root = (
+            Path(self.sl.checkpoints.dir)
+            if self.sl.checkpoints.dir
+            else self.output / "checkpoints"
+        )
         step = latest_complete(root) if root.exists() else None
         self.fallbacks += 1
         S, P = self.cfg.num_stages, self.cfg.num_pipelines
@@ -543,7 +640,7 @@ class Coordinator:
         if step is None:
             # No checkpoint yet: the only consistent state is the start.
             layout = choose_layout(S, P, everyone, usable={})
-            self.steps_redone += self.max_progress()
+            self.steps_redone += reached
             self.layout, self.resume_step = layout, 0
             self._publish(g, self._plan_json("train", layout, 0, {}, []))
             self._event("restart-from-scratch")
@@ -553,11 +650,13 @@ class Coordinator:
         else:
             usable = {s: [r.worker for r in reports] for s in range(S)}
             layout = choose_layout(S, P, everyone, usable=usable)
-            self.steps_redone += max(0, self.max_progress() - step)
+            self.steps_redone += max(0, reached - step)
             self.layout, self.resume_step = layout, step
             holders = {s: list(usable[s]) for s in range(S)}
             sources = [(s, layout.members[0]) for s in range(S)] if layout else []
-            self._publish(g, self._plan_json("restore", layout, step, holders, sources, checkpoint_step=step))
+            self._publish(
+                g, self._plan_json("restore", layout, step, holders, sources, checkpoint_step=step)
+            )
             self._event("checkpoint-fallback", step=step)
             if layout is None:
                 self._wait_for_joiners()
@@ -565,7 +664,7 @@ class Coordinator:
         self._await_recovered(g, self.pending_failure_t or self.now())
         self.pending_failure_t = None
 
-    def _restart_all(self, reports: list[WorkerReport]) -> None:
+    def _restart_all(self, reports: list[WorkerReport], reached: int) -> None:
         """Checkpoint-restart baseline: every worker is replaced and reads the checkpoint."""
         survivors = [r.worker for r in reports]
         for w in survivors:
@@ -576,7 +675,7 @@ class Coordinator:
             self.workers[w].alive = False
         fresh = [self.spawn(self.generation) for _ in survivors]
         self._event("restart-all", workers=len(fresh))
-        self._restore([WorkerReport(w) for w in fresh], self.generation)
+        self._restore([WorkerReport(w) for w in fresh], self.generation, reached)
 
     # -- summary ----------------------------------------------------------------------
     def _summary(self, wall: float) -> dict[str, Any]:
@@ -585,7 +684,9 @@ class Coordinator:
         losses = [self.losses.get(s) for s in range(steps)]
         key = "final/param_sha256"
         param_hash = self.store.get(key).decode() if self.store.check([key]) else None
-        samples = steps * self.cfg.micro_batch_size * self.cfg.num_micro_batches * self.cfg.num_pipelines
+        samples = (
+            steps * self.cfg.micro_batch_size * self.cfg.num_micro_batches * self.cfg.num_pipelines
+        )
         self.timeline.write_csv(self.output / "timeline.csv")
         try:
             self.timeline.plot_png(self.output / "timeline.png", f"spotline: {self.sl.model.name}")
@@ -593,6 +694,12 @@ class Coordinator:
             print(f"spotline: timeline plot skipped: {exc}", file=sys.stderr)
         rec = summarize_recoveries(self.timeline.rows)
         times = sorted(self.step_times.values())
+        # Per-rank figures in the rank order of the last layout (the workers that finished).
+        ranked = list(self.layout.members) if self.layout is not None else sorted(self.worker_stats)
+        stats = [self.worker_stats.get(w, {}) for w in ranked]
+        mismatches = [
+            m for st in self.worker_stats.values() for m in st.get("replica_mismatches", [])
+        ]
         return {
             "steps": steps,
             "losses": losses,
@@ -616,6 +723,11 @@ class Coordinator:
             "recovery_mode": self.sl.recovery.mode,
             "param_sha256": param_hash,
             "peak_rss_mib_per_worker": self.peaks,
+            "peak_rss_mib_per_rank": [self.peaks.get(w, 0.0) for w in ranked],
+            "redundant_compute_s_per_rank": [st.get("redundant_compute_s", 0.0) for st in stats],
+            "replica_sync_s_per_rank": [st.get("replica_sync_s", 0.0) for st in stats],
+            "replica_checks": max((st.get("replica_checks", 0) for st in stats), default=0),
+            "replica_mismatches": mismatches,
             "preemptions": self.preemptions,
             "recoveries": self.recoveries,
             "checkpoint_fallbacks": self.fallbacks,
@@ -625,7 +737,6 @@ class Coordinator:
             "generations": self.generation + 1,
             "events": [{"t_s": round(e.t_s, 3), "kind": e.kind, **e.detail} for e in self.events],
         }
-
 
     def shutdown(self) -> None:
         """Stop every worker (Ctrl-C or a coordinator error): nothing is left running."""
@@ -642,10 +753,18 @@ class Coordinator:
             return
         from spotline.tracking import Tracker
 
-        tracker = Tracker(tracking, enabled=True, output_dir=self.output, total_steps=len(summary["losses"]), run_config=self.cfg.to_json())
+        tracker = Tracker(
+            tracking,
+            enabled=True,
+            output_dir=self.output,
+            total_steps=len(summary["losses"]),
+            run_config=self.cfg.to_json(),
+        )
         for step, loss in enumerate(summary["losses"]):
             if loss is not None:
-                tracker.log_step(step, {"loss": loss, "step_time_s": self.step_times.get(step, 0.0)})
+                tracker.log_step(
+                    step, {"loss": loss, "step_time_s": self.step_times.get(step, 0.0)}
+                )
         for event in summary["events"]:
             tracker.log_event(event["kind"], {k: v for k, v in event.items() if k != "kind"})
         tracker.finish(summary)

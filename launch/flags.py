@@ -75,12 +75,20 @@ def overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def add_recovery_flags(parser: argparse.ArgumentParser) -> None:
     """Flags of the local launcher only: they need Spotline's coordinator."""
-    parser.add_argument("--recovery", help="failover (default: in-memory takeover) or checkpoint-restart")
-    parser.add_argument("--trace", help="replay a spot trace (any format of shared/traces/README.md)")
+    parser.add_argument(
+        "--recovery", help="failover (default: in-memory takeover) or checkpoint-restart"
+    )
+    parser.add_argument(
+        "--trace", help="replay a spot trace (any format of shared/traces/README.md)"
+    )
     parser.add_argument("--time-scale", type=float, help="trace seconds played per wall second")
-    parser.add_argument("--preempt-rate", type=float, help="random preemptions per worker-hour (seeded by --seed)")
+    parser.add_argument(
+        "--preempt-rate", type=float, help="random preemptions per worker-hour (seeded by --seed)"
+    )
     parser.add_argument("--max-workers", type=int, help="local cap on workers for trace replay")
-    parser.add_argument("--checkpoint-interval", type=int, help="steps between checkpoints (0: never)")
+    parser.add_argument(
+        "--checkpoint-interval", type=int, help="steps between checkpoints (0: never)"
+    )
     parser.add_argument(
         "--inject",
         action="append",

@@ -42,7 +42,9 @@ def test_failover_replay_reproduces_the_owner_step(tmp_path: Path, stages: int, 
     config = small_config(training={"steps": 3}, redundancy={"mode": mode})
     config["spotline"]["topology"] = {"stages": stages, "workers": stages}
     path = write_config(tmp_path / "c.json", config)
-    codes = run_ranks(REPO / "tests" / "workers" / "replay_worker.py", stages, [str(path), str(tmp_path)])
+    codes = run_ranks(
+        REPO / "tests" / "workers" / "replay_worker.py", stages, [str(path), str(tmp_path)]
+    )
     assert codes == [0] * stages
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(stages)]
     assert sorted(r["replica_stage"] for r in results) == list(range(stages))

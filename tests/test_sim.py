@@ -23,7 +23,9 @@ from spotline.sim.engine import (
 
 # The traces live in shared/ beside the repository (as CI lays it out), or where SPOTLINE_TRACES says.
 SHARED_TRACES = Path(
-    os.environ.get("SPOTLINE_TRACES", Path(__file__).resolve().parent.parent.parent / "shared" / "traces")
+    os.environ.get(
+        "SPOTLINE_TRACES", Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+    )
 )
 
 TOY = {

@@ -68,7 +68,9 @@ class Layout:
 
     def __post_init__(self) -> None:
         flat = [s for g in self.groups for s in g]
-        assert flat == list(range(self.num_stages)), f"groups {self.groups} must cover stages in order"
+        assert flat == list(range(self.num_stages)), (
+            f"groups {self.groups} must cover stages in order"
+        )
         assert len(self.slots) == self.num_pipelines
         assert all(len(row) == len(self.groups) for row in self.slots)
         workers = [w for row in self.slots for w in row]
@@ -202,7 +204,12 @@ def _assign(
     for stage_idx, group in enumerate(groups):
         for pipeline in range(num_pipelines):
 
-            def rank(w: str, pipeline: int = pipeline, stage_idx: int = stage_idx) -> tuple[int, int, int]:
+            def rank(
+                w: str,
+                pipeline: int = pipeline,
+                stage_idx: int = stage_idx,
+                group: tuple[int, ...] = group,
+            ) -> tuple[int, int, int]:
                 return (
                     _missing(w, group, usable),
                     0 if previous.get(w) == (pipeline, stage_idx) else 1,
