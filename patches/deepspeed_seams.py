@@ -1,0 +1,51 @@
+"""The DeepSpeed internals Spotline overrides, each pinned to the source it was verified on.
+
+Spotline patches nothing in DeepSpeed's files: it subclasses ``PipelineEngine`` and
+``PipelineModule`` and overrides a handful of methods. Those methods are internal, so a
+DeepSpeed release may change them silently; ``tests/test_patches.py`` fails when the source
+of any of them differs from the version listed here, pointing at the override to re-check.
+
+Verified on DeepSpeed 0.19.8.
+"""
+
+from __future__ import annotations
+
+VERIFIED_VERSIONS = ("0.19.8",)
+
+# symbol -> (first 16 hex digits of the SHA-256 of its source, what Spotline relies on)
+SEAMS: dict[str, tuple[str, str]] = {
+    "deepspeed.runtime.pipe.engine.PipelineEngine._exec_schedule": (
+        "f162568c9f2bf30f",
+        "dispatches each instruction through _INSTRUCTION_MAP with its kwargs "
+        "(spotline.engine.rebind_instruction_map, spotline.redundancy instructions)",
+    ),
+    "deepspeed.runtime.pipe.engine.PipelineEngine._exec_optimizer_step": (
+        "6eb5218d55f519c2",
+        "calls _take_model_step; RedundantPipelineEngine wraps it with the commit barrier",
+    ),
+    "deepspeed.runtime.pipe.engine.PipelineEngine._exec_reduce_tied_grads": (
+        "00d7e6e1e18d8b62",
+        "replaced: tied copies are summed once per step in every placement",
+    ),
+    "deepspeed.runtime.pipe.engine.PipelineEngine._exec_backward_pass": (
+        "ae2eeff56b84d1e4",
+        "last stage: DeepSpeedEngine.backward (loss / micro-batches); others: "
+        "outputs.backward(grad); frees outputs (StashOutput runs before it)",
+    ),
+    "deepspeed.runtime.pipe.engine.PipelineEngine._exec_forward_pass": (
+        "cf4dfb0f5996528b",
+        "stores the output in pipe_buffers['outputs'][buffer_id] (read by StashOutput)",
+    ),
+    "deepspeed.runtime.engine.DeepSpeedEngine._take_model_step": (
+        "c4c6e01aa1fc4e7d",
+        "calls clip_fp32_gradients() for fp32 without ZeRO, then optimizer.step()",
+    ),
+    "deepspeed.runtime.engine.DeepSpeedEngine.clip_fp32_gradients": (
+        "c3ad53cbce68a72f",
+        "replaced: DeepSpeed's counts only stage 0's gradients in the norm under pipelines",
+    ),
+    "deepspeed.runtime.pipe.module.PipelineModule._partition_layers": (
+        "7289164616d3e075",
+        "replaced by PlacedPipelineModule: sets parts and _set_bounds from given boundaries",
+    ),
+}
