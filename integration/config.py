@@ -100,7 +100,9 @@ class RecoverySection:
     """How failures are survived, detected and (for tests and demos) injected."""
 
     mode: RecoveryMode = "failover"
+    # The membership store: a TCPStore hosted by the coordinator, or an etcd cluster.
     store: StoreBackend = "tcp"
+    etcd_endpoint: str | None = None  # host:port of etcd (v2 API enabled) for store "etcd"
     # A worker whose heartbeat is older than this is presumed hung and is killed.
     heartbeat_timeout_s: float = 5.0
     # A preempted (SIGTERM) worker leaves at the next step boundary, or after this long.
@@ -116,8 +118,10 @@ class RecoverySection:
     preempt_seed: int | None = None  # None: the run's seed
     replace_after_s: float = 45.0  # trace time until a preempted worker is replaced
     max_workers: int | None = None  # local cap for trace replay (default: --workers)
-    # checkpoint-restart: the Young/Daly interval needs these estimates (seconds).
+    # checkpoint-restart with checkpoints.interval_steps 0: the Young/Daly interval
+    # sqrt(2 * cost * MTBF) needs these estimates (seconds).
     checkpoint_cost_s: float = 0.05
+    step_time_estimate_s: float = 0.1
 
 
 @dataclass(frozen=True)

@@ -242,10 +242,12 @@ class ElasticWorker:
         self.cfg = cfg
         self.wid = worker_id
         self.index = int(worker_id.lstrip("w"))
-        host, port = store_addr.rsplit(":", 1)
-        self.host, self.port = host, int(port)
+        from spotline.stores import connect_store, parse_store_arg, store_port
+
+        self.store_spec = parse_store_arg(store_addr)
+        self.port = store_port(self.store_spec)  # kept open by abort_connections
         timeout = timedelta(seconds=max(60.0, cfg.spotline.recovery.heartbeat_timeout_s * 4))
-        self.store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timeout)
+        self.store = connect_store(self.store_spec, timeout=timeout)
         self.output = output
         self.holdings = Holdings()
         self.leaving = False
@@ -253,11 +255,8 @@ class ElasticWorker:
         self.losses: dict[int, float] = {}
         self.step_times: dict[int, float] = {}
         self._hb_stop = threading.Event()
-        self.checkpoints = (
-            CheckpointWriter(self._ckpt_root(), cfg.spotline.checkpoints.keep)
-            if cfg.spotline.checkpoints.interval_steps > 0
-            else None
-        )
+        self.checkpoints: CheckpointWriter | None = None
+        self.checkpoint_interval = cfg.spotline.checkpoints.interval_steps
         self._training_generation: int | None = None
         self.replica_checks = 0
         self.replica_mismatches: list[dict[str, int]] = []
@@ -270,9 +269,9 @@ class ElasticWorker:
         return Path(d) if d else self.output / "checkpoints"
 
     def _start_heartbeat(self) -> None:
-        hb_store = dist.TCPStore(
-            self.host, self.port, is_master=False, timeout=timedelta(seconds=30)
-        )
+        from spotline.stores import connect_store
+
+        hb_store = connect_store(self.store_spec, timeout=timedelta(seconds=30))
         self._hb_interval = max(0.02, min(0.1, self.cfg.spotline.recovery.heartbeat_timeout_s / 10))
 
         def beat() -> None:
@@ -339,6 +338,10 @@ class ElasticWorker:
             if plan["action"] == "finish":
                 break
             outcome = "standby"
+            # The coordinator decides the interval (given, or Young/Daly for the baseline).
+            self.checkpoint_interval = int(
+                plan.get("checkpoint_interval", self.checkpoint_interval)
+            )
             layout = _layout_from_json(plan["layout"]) if plan["layout"] else None
             if plan["action"] == "restore":
                 self._restore_checkpoint(plan["checkpoint_step"])
@@ -671,9 +674,13 @@ class ElasticWorker:
         gc.collect()
 
     def _maybe_checkpoint(self, engine: RedundantPipelineEngine, step: int) -> None:
-        interval = self.cfg.spotline.checkpoints.interval_steps
-        if self.checkpoints is None or step % interval != 0:
+        interval = self.checkpoint_interval
+        if interval <= 0 or step % interval != 0:
             return
+        if self.checkpoints is None:
+            self.checkpoints = CheckpointWriter(
+                self._ckpt_root(), self.cfg.spotline.checkpoints.keep
+            )
         if engine.grid.data_parallel_id != 0:
             return  # data-parallel peers hold identical state: pipeline 0 writes it
         state = self._engine_stage_state(engine)

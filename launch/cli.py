@@ -90,7 +90,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     env = child_environment()
     env["OMP_NUM_THREADS"] = str(cfg.spotline.determinism.intra_op_threads)
-    coordinator = Coordinator(cfg, resolved, output, env=env)
+    try:
+        coordinator = Coordinator(cfg, resolved, output, env=env)
+    except UserError as exc:  # e.g. an unreachable etcd
+        return fail(str(exc))
     try:
         summary = coordinator.run()
     except KeyboardInterrupt:

@@ -31,8 +31,6 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from spotline.config import RunConfig
 from spotline.elastic import layout_to_json
 from spotline.plan.chaos import TimedEvent, parse_injections, random_preemptions, replay_trace
@@ -78,10 +76,13 @@ class Coordinator:
         self.output = output
         self.env = env
         self.t0 = time.monotonic()
-        self.store = dist.TCPStore(
-            "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+        from spotline.stores import host_store
+
+        rec = self.sl.recovery
+        self.store, self.store_spec = host_store(
+            rec.store, etcd_endpoint=rec.etcd_endpoint, timeout=timedelta(seconds=60)
         )
-        self.store_addr = f"127.0.0.1:{self.store.port}"
+        self.store_addr = self.store_spec.to_arg()
         self.workers: dict[str, WorkerProc] = {}
         self.next_index = 0
         self.generation = 0
@@ -90,6 +91,7 @@ class Coordinator:
         self.injections = parse_injections(self.sl.recovery.inject)
         self.done_add_steps: set[int] = set()
         self.timed: list[TimedEvent] = self._timed_events()
+        self.interval_steps = self.checkpoint_interval()
         self.rng = random.Random(self._preempt_seed())
         self.preemptions = 0
         self.recoveries = 0
@@ -110,6 +112,7 @@ class Coordinator:
         self.clock_t: float | None = None
         self.initial_ids: list[str] = []
         self.worker_stats: dict[str, dict[str, Any]] = {}
+        self.shown_progress = 0
 
     # -- time and events --------------------------------------------------------------
     def now(self) -> float:
@@ -139,6 +142,28 @@ class Coordinator:
             file=sys.stderr,
             flush=True,
         )
+
+    def checkpoint_interval(self) -> int:
+        """Steps between checkpoints: given, or Young/Daly for the checkpoint-restart baseline.
+
+        Young/Daly: sqrt(2 * checkpoint cost * MTBF), with the MTBF of the replayed trace (or
+        of the random preemption rate) in wall seconds, converted to steps.
+        """
+        given = self.sl.checkpoints.interval_steps
+        rec = self.sl.recovery
+        if given > 0 or rec.mode != "checkpoint-restart":
+            return given
+        removals = [e for e in self.timed if e.kind == "remove"]
+        if removals:
+            span = max(e.at_s for e in removals)
+            mtbf = span / max(1, len(removals))
+        elif rec.preempt_rate > 0:
+            mtbf = 3600.0 / (rec.preempt_rate * self.cfg.num_workers) / rec.time_scale
+        else:
+            return 0
+        from spotline.checkpoint import interval_steps
+
+        return interval_steps(rec.step_time_estimate_s, rec.checkpoint_cost_s, max(mtbf, 1e-3))
 
     def _preempt_seed(self) -> int:
         seed = self.sl.recovery.preempt_seed
@@ -387,12 +412,24 @@ class Coordinator:
             except subprocess.TimeoutExpired:
                 p.proc.kill()
                 p.proc.wait()
-        return self._summary(wall)
+        summary = self._summary(wall)
+        self.release_store()
+        return summary
 
     def _members(self) -> list[str]:
         if self.layout is None:
             return []
         return list(self.layout.members)
+
+    def _show_progress(self) -> None:
+        """A line every tenth of the run (the coordinator is the one process at the terminal)."""
+        if not self.sl.tracking.progress:
+            return
+        step = self.max_progress()
+        tenth = max(1, self.sl.training.steps // 10)
+        if step // tenth > self.shown_progress // tenth:
+            self.shown_progress = step
+            print(f"spotline: step {step}/{self.sl.training.steps}", file=sys.stderr, flush=True)
 
     def _wait_for_joiners(self) -> list[str]:
         """Block until a started worker has joined (trace arrivals, replacements)."""
@@ -436,6 +473,7 @@ class Coordinator:
             self._deliver_timed_events()
             self._deliver_step_injections()
             self._admit_joiners()
+            self._show_progress()
             for w in self.live_ids():
                 if self.store.check([f"leaving/{w}"]) and self.workers[w].fate in (
                     "running",
@@ -502,7 +540,7 @@ class Coordinator:
         return "continue"
 
     def _commit_checkpoints(self) -> None:
-        interval = self.sl.checkpoints.interval_steps
+        interval = self.interval_steps
         if interval <= 0:
             return
         from spotline.checkpoint import CheckpointWriter
@@ -721,6 +759,7 @@ class Coordinator:
             "deterministic": self.sl.determinism.enabled,
             "redundancy": self.sl.redundancy.mode,
             "recovery_mode": self.sl.recovery.mode,
+            "checkpoint_interval_steps": self.interval_steps,
             "param_sha256": param_hash,
             "peak_rss_mib_per_worker": self.peaks,
             "peak_rss_mib_per_rank": [self.peaks.get(w, 0.0) for w in ranked],
@@ -737,6 +776,13 @@ class Coordinator:
             "generations": self.generation + 1,
             "events": [{"t_s": round(e.t_s, 3), "kind": e.kind, **e.detail} for e in self.events],
         }
+
+    def release_store(self) -> None:
+        """An etcd job's keys are deleted when it ends (a TCPStore goes with the process)."""
+        if self.store_spec.backend == "etcd":
+            from spotline.stores import delete_etcd_prefix
+
+            delete_etcd_prefix(self.store_spec)
 
     def shutdown(self) -> None:
         """Stop every worker (Ctrl-C or a coordinator error): nothing is left running."""

@@ -27,6 +27,8 @@ FLAG_KEYS: dict[str, str] = {
     "preempt_rate": "spotline.recovery.preempt_rate",
     "max_workers": "spotline.recovery.max_workers",
     "checkpoint_interval": "spotline.checkpoints.interval_steps",
+    "store": "spotline.recovery.store",
+    "etcd_endpoint": "spotline.recovery.etcd_endpoint",
     "micro_batch_size": "train_micro_batch_size_per_gpu",
     "micro_batches": "gradient_accumulation_steps",
 }
@@ -88,6 +90,10 @@ def add_recovery_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-workers", type=int, help="local cap on workers for trace replay")
     parser.add_argument(
         "--checkpoint-interval", type=int, help="steps between checkpoints (0: never)"
+    )
+    parser.add_argument("--store", help="membership store: tcp (hosted by the coordinator) or etcd")
+    parser.add_argument(
+        "--etcd-endpoint", help="host:port of an etcd cluster (v2 API enabled) for --store etcd"
     )
     parser.add_argument(
         "--inject",

@@ -26,4 +26,6 @@ def test_overridden_deepspeed_source_is_unchanged(symbol: str) -> None:
     expected, relied_on = SEAMS[symbol]
     source = inspect.getsource(_resolve(symbol))
     digest = hashlib.sha256(source.encode()).hexdigest()[:16]
-    assert digest == expected, f"{symbol} changed in DeepSpeed {deepspeed.__version__}; re-check: {relied_on}"
+    assert digest == expected, (
+        f"{symbol} changed in DeepSpeed {deepspeed.__version__}; re-check: {relied_on}"
+    )

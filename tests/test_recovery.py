@@ -19,7 +19,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 6
 # Dropout on (gpt2-tiny's default): the takeover must also reproduce the dropout masks.
 CONFIG = small_config(training={"steps": STEPS}, redundancy={"mode": "lazy"})
-TOPOLOGIES = {"1x4": ("--workers", "4", "--stages", "4"), "2x2": ("--workers", "4", "--stages", "2")}
+TOPOLOGIES = {
+    "1x4": ("--workers", "4", "--stages", "4"),
+    "2x2": ("--workers", "4", "--stages", "2"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,9 @@ def baselines(tmp_path_factory) -> dict[str, str]:
         ("2x2", "kill:1:2:recv"),
     ],
 )
-def test_sigkill_mid_step_is_taken_over_from_memory(spotline_train, baselines, topology, inject) -> None:
+def test_sigkill_mid_step_is_taken_over_from_memory(
+    spotline_train, baselines, topology, inject
+) -> None:
     summary = spotline_train(CONFIG, *TOPOLOGIES[topology], "--inject", inject)
     assert summary["param_sha256"] == baselines[topology]
     assert summary["preemptions"] == 1
@@ -78,8 +83,12 @@ def test_eager_redundancy_survives_a_kill(spotline_train, baselines) -> None:
     assert summary["recoveries"] == 1
 
 
-def test_kill_then_arrival_rebuilds_the_pipelines(spotline_train, baselines, tmp_path: Path) -> None:
-    summary = spotline_train(CONFIG, *TOPOLOGIES["2x2"], "--inject", "kill:2:1:backward", "--inject", "add:4")
+def test_kill_then_arrival_rebuilds_the_pipelines(
+    spotline_train, baselines, tmp_path: Path
+) -> None:
+    summary = spotline_train(
+        CONFIG, *TOPOLOGIES["2x2"], "--inject", "kill:2:1:backward", "--inject", "add:4"
+    )
     assert summary["param_sha256"] == baselines["2x2"]
     kinds = [e["kind"] for e in summary["events"]]
     assert "preempted" in kinds and "arrived" in kinds
@@ -91,10 +100,19 @@ def test_kill_then_arrival_rebuilds_the_pipelines(spotline_train, baselines, tmp
     assert (tmp_path / "run" / "timeline.png").stat().st_size > 1000
 
 
-def test_adjacent_workers_lost_together_fall_back_to_the_checkpoint(spotline_train, baselines) -> None:
+def test_adjacent_workers_lost_together_fall_back_to_the_checkpoint(
+    spotline_train, baselines
+) -> None:
     """Stage 2's owner (w2) and its replica holder (w1) die at once: a fatal loss."""
     summary = spotline_train(
-        CONFIG, *TOPOLOGIES["1x4"], "--checkpoint-interval", "2", "--inject", "kill:5:1", "--inject", "kill:5:2"
+        CONFIG,
+        *TOPOLOGIES["1x4"],
+        "--checkpoint-interval",
+        "2",
+        "--inject",
+        "kill:5:1",
+        "--inject",
+        "kill:5:2",
     )
     assert summary["param_sha256"] == baselines["1x4"]
     assert summary["preemptions"] == 2
@@ -106,8 +124,14 @@ def test_adjacent_workers_lost_together_fall_back_to_the_checkpoint(spotline_tra
 
 def test_checkpoint_restart_baseline_gives_the_same_result(spotline_train, baselines) -> None:
     summary = spotline_train(
-        CONFIG, *TOPOLOGIES["1x4"], "--recovery", "checkpoint-restart", "--checkpoint-interval", "2",
-        "--inject", "kill:3:2:forward",
+        CONFIG,
+        *TOPOLOGIES["1x4"],
+        "--recovery",
+        "checkpoint-restart",
+        "--checkpoint-interval",
+        "2",
+        "--inject",
+        "kill:3:2:forward",
     )
     assert summary["param_sha256"] == baselines["1x4"]
     assert summary["recovery_mode"] == "checkpoint-restart"
@@ -123,8 +147,38 @@ def test_trace_replay_completes_with_the_same_hash(spotline_train, tmp_path: Pat
     flags = ("--workers", "2", "--stages", "2")
     undisturbed = spotline_train(config, *flags, name="undisturbed")
     replayed = spotline_train(
-        config, *flags, "--max-workers", "3", "--trace", str(trace), "--time-scale", "1500",
-        "--checkpoint-interval", "5", name="replayed",
+        config,
+        *flags,
+        "--max-workers",
+        "3",
+        "--trace",
+        str(trace),
+        "--time-scale",
+        "1500",
+        "--checkpoint-interval",
+        "5",
+        name="replayed",
     )
     assert replayed["preemptions"] > 0
     assert replayed["param_sha256"] == undisturbed["param_sha256"]
+
+
+def test_etcd_store_backend_survives_a_kill(spotline_train, baselines, tmp_path: Path) -> None:
+    """Membership through an etcd started by the test on loopback instead of the TCPStore."""
+    from spotline.stores import start_local_etcd
+
+    if not Path("/usr/bin/etcd").exists():
+        pytest.skip("etcd-server is not installed (.ci/run installs it)")
+    with start_local_etcd(tmp_path / "etcd") as etcd:
+        summary = spotline_train(
+            CONFIG,
+            *TOPOLOGIES["1x4"],
+            "--store",
+            "etcd",
+            "--etcd-endpoint",
+            etcd.endpoint,
+            "--inject",
+            "kill:3:2:send",
+        )
+    assert summary["param_sha256"] == baselines["1x4"]
+    assert summary["recoveries"] == 1
