@@ -258,6 +258,8 @@ class ElasticWorker:
         self.checkpoints: CheckpointWriter | None = None
         self.checkpoint_interval = cfg.spotline.checkpoints.interval_steps
         self._training_generation: int | None = None
+        self.train_start_t = float("inf")
+        self.train_end_t = 0.0
         self.replica_checks = 0
         self.replica_mismatches: list[dict[str, int]] = []
         self.redundant_s = 0.0
@@ -368,6 +370,8 @@ class ElasticWorker:
             "losses": {str(k): v for k, v in self.losses.items()},
             "step_times": {str(k): v for k, v in self.step_times.items()},
             "peak_rss_mib": peak_rss_mib(),
+            "train_start_t": self.train_start_t if self.train_start_t != float("inf") else None,
+            "train_end_t": self.train_end_t or None,
             "replica_checks": self.replica_checks,
             "replica_mismatches": self.replica_mismatches,
             "redundant_compute_s": self.redundant_s,
@@ -585,21 +589,8 @@ class ElasticWorker:
                     os.kill(os.getpid(), signal.SIGKILL if inj.signal == "kill" else signal.SIGTERM)
 
         engine.phase_hook = phase_hook
-        world = dist.get_world_size()
-
-        def commit_barrier() -> None:
-            """All members prepared step ``current``: a counter in the store, abort-aware."""
-            key = f"commit/{generation}/{current['step']}"
-            abort = f"abort/{generation}"
-            self.store.add(key, 1)
-            while int(self.store.add(key, 0)) < world:
-                if self.store.check([abort]):
-                    raise RuntimeError(
-                        f"generation {generation} aborted by {self.store.get(abort).decode()}"
-                    )
-                time.sleep(0.0005)
-
-        engine.commit_barrier = commit_barrier
+        # The commit barrier stays gloo's: if a peer fails while others wait in it, the
+        # watchdog (heartbeat thread) sees the abort and shuts this process's connections.
         from spotline.engine import step_batches
 
         for step in range(resume, sl.training.steps):
@@ -620,6 +611,8 @@ class ElasticWorker:
             )
             self.losses[step] = float(loss)
             self.step_times[step] = time.perf_counter() - t0
+            self.train_start_t = min(self.train_start_t, time.time() - self.step_times[step])
+            self.train_end_t = time.time()
             if sl.redundancy.verify_replicas and engine.replica is not None:
                 self._verify_replicas(engine, step)
             self._maybe_checkpoint(engine, step + 1)

@@ -412,6 +412,14 @@ class Coordinator:
             except subprocess.TimeoutExpired:
                 p.proc.kill()
                 p.proc.wait()
+        starts = [
+            st["train_start_t"] for st in self.worker_stats.values() if st.get("train_start_t")
+        ]
+        ends = [st["train_end_t"] for st in self.worker_stats.values() if st.get("train_end_t")]
+        if starts and ends:
+            # Training time from the workers' clocks: first step start to last step end
+            # (recoveries included, start-up and the final export excluded).
+            self.train_wall_s = max(ends) - min(starts)
         summary = self._summary(wall)
         self.release_store()
         return summary
