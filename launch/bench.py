@@ -624,7 +624,9 @@ class _Parser(argparse.ArgumentParser):
         raise UserError(f"bench: {message}; see spotline bench --help")
 
 
-def bench_recovery(settings: BenchSettings, trace: str, time_scale: float) -> dict[str, Any]:
+def bench_recovery(
+    settings: BenchSettings, trace: str, time_scale: float, max_workers: int = 3
+) -> dict[str, Any]:
     """In-memory failover against checkpoint-restart on the same trace, same machine.
 
     One pipeline of 2 stages on 2 workers with up to 3 live (a spare), the trace replayed
@@ -652,7 +654,7 @@ def bench_recovery(settings: BenchSettings, trace: str, time_scale: float) -> di
         "--time-scale",
         str(time_scale),
         "--max-workers",
-        "3",
+        str(max_workers),
         "--checkpoint-interval",
         "10",
     ]
@@ -684,6 +686,7 @@ def bench_recovery(settings: BenchSettings, trace: str, time_scale: float) -> di
         "bench": "recovery",
         "trace": trace,
         "time_scale": time_scale,
+        "max_workers": max_workers,
         "steps": settings.steps,
         "repeats": settings.repeats,
         "rows": rows,
@@ -758,6 +761,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     recovery.add_argument("--trace", required=True, help="a spot trace (shared/traces/...)")
     recovery.add_argument(
+        "--max-workers", type=int, default=3, help="local cap on workers (default 3)"
+    )
+    recovery.add_argument(
         "--time-scale", type=float, default=60.0, help="trace seconds per wall second"
     )
     return parser
@@ -799,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
             report = bench_foundation(settings)
             table = format_foundation(report)
         elif args.bench == "recovery":
-            report = bench_recovery(settings, args.trace, args.time_scale)
+            report = bench_recovery(settings, args.trace, args.time_scale, args.max_workers)
             table = format_recovery(report)
         else:
             report = bench_redundancy(settings, parse_cases(args.cases))

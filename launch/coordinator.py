@@ -113,6 +113,7 @@ class Coordinator:
         self.initial_ids: list[str] = []
         self.worker_stats: dict[str, dict[str, Any]] = {}
         self.shown_progress = 0
+        self.last_commit_check = 0.0
 
     # -- time and events --------------------------------------------------------------
     def now(self) -> float:
@@ -482,6 +483,10 @@ class Coordinator:
             self._deliver_step_injections()
             self._admit_joiners()
             self._show_progress()
+            if time.monotonic() - self.last_commit_check > 0.5:
+                # Checkpoints are committed while a generation runs, not only when it ends.
+                self.last_commit_check = time.monotonic()
+                self._commit_checkpoints()
             for w in self.live_ids():
                 if self.store.check([f"leaving/{w}"]) and self.workers[w].fate in (
                     "running",
