@@ -610,6 +610,8 @@ class ElasticWorker:
                 )
             )
             self.losses[step] = float(loss)
+            if dist.get_rank() == 0:
+                self.store.set(f"loss/{step}", repr(self.losses[step]))
             self.step_times[step] = time.perf_counter() - t0
             self.train_start_t = min(self.train_start_t, time.time() - self.step_times[step])
             self.train_end_t = time.time()

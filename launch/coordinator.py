@@ -106,6 +106,7 @@ class Coordinator:
         self.resume_step = 0
         self.ckpt_committed: set[int] = set()
         self.first_step_t: float | None = None
+        self.first_step_wall: float | None = None
         self.included: set[str] = set()
         self.boundary_for_joiners: set[str] = set()
         self.awaited_joiners: set[str] = set()
@@ -266,6 +267,7 @@ class Coordinator:
                 best = max(best, int(self.store.get(key).decode()))
                 if self.first_step_t is None:
                     self.first_step_t = time.monotonic()
+                    self.first_step_wall = time.time()
         return best
 
     def _poll_processes(self) -> list[str]:
@@ -731,6 +733,12 @@ class Coordinator:
     # -- summary ----------------------------------------------------------------------
     def _summary(self, wall: float) -> dict[str, Any]:
         steps = self.sl.training.steps
+        # Rank 0 of each generation writes every step's loss to the store as it goes (a worker
+        # killed later cannot take it along); a redone step writes the same value again.
+        for s in range(steps):
+            key = f"loss/{s}"
+            if self.store.check([key]):
+                self.losses[s] = float(self.store.get(key).decode())
         # A step committed while its loss was being aggregated has no reported loss (None).
         losses = [self.losses.get(s) for s in range(steps)]
         key = "final/param_sha256"

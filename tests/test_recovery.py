@@ -182,3 +182,27 @@ def test_etcd_store_backend_survives_a_kill(spotline_train, baselines, tmp_path:
         )
     assert summary["param_sha256"] == baselines["1x4"]
     assert summary["recoveries"] == 1
+
+
+def test_random_preemptions_complete_with_the_same_hash(spotline_train) -> None:
+    """`--preempt-rate R --seed S`: seeded random preemptions with replacements."""
+    config = small_config(training={"steps": 40}, redundancy={"mode": "lazy"})
+    flags = ("--workers", "2", "--stages", "2")
+    undisturbed = spotline_train(config, *flags, name="undisturbed")
+    disturbed = spotline_train(
+        config,
+        *flags,
+        "--max-workers",
+        "3",
+        "--preempt-rate",
+        "20",
+        "--time-scale",
+        "60",
+        "--checkpoint-interval",
+        "5",
+        name="disturbed",
+    )
+    assert disturbed["preemptions"] > 0
+    assert disturbed["param_sha256"] == undisturbed["param_sha256"]
+    # Every step's loss survives the workers that computed it.
+    assert disturbed["losses"] == undisturbed["losses"]
