@@ -124,7 +124,11 @@ INSTRUCTIONS: dict[str, type[PipeInstruction]] = {
 
 
 class LoweredSchedule:
-    """A plan.Schedule lowered for one pipeline position, in the shape ``_exec_schedule`` runs."""
+    """A plan.Schedule lowered for one pipeline position, in the shape ``_exec_schedule`` runs.
+
+    Lowered once per engine; instructions hold only their kwargs, so every step iterates
+    the same objects.
+    """
 
     def __init__(self, schedule: plan.Schedule, position: int) -> None:
         self.schedule = schedule
@@ -240,6 +244,7 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
             plan.train_schedule(self.num_stages, self.micro_batches), self.redundancy
         )
         plan.validate(self._plan)
+        self._lowered = LoweredSchedule(self._plan, self.stage_id)
         self.stash = StepStash()
         self.batch_source: Callable[[int, int, int], Batch] | None = None
         self.replica_grads_from = "owner"  # or "replay": a test of the takeover path
@@ -266,7 +271,7 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
 
     # -- the schedule -------------------------------------------------------------------
     def _train_schedule(self) -> LoweredSchedule:  # type: ignore[override]
-        return LoweredSchedule(self._plan, self.stage_id)
+        return self._lowered
 
     def begin_step(self, *, seed: int, step: int, logical_worker: int) -> None:
         super().begin_step(seed=seed, step=step, logical_worker=logical_worker)

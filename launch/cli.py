@@ -9,10 +9,6 @@ looks like a finished run.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,28 +23,6 @@ EXIT_USAGE = 2
 def fail(message: str) -> int:
     print(f"spotline: error: {message}", file=sys.stderr, flush=True)
     return EXIT_USAGE
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def worker_env(rank: int, world_size: int, port: int, threads: int) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        OMP_NUM_THREADS=str(threads),
-        PYTHONUNBUFFERED="1",
-    )
-    env.setdefault("DS_ACCELERATOR", "cpu")
-    return env
 
 
 def build_train_parser(parser: argparse.ArgumentParser) -> None:
@@ -140,33 +114,6 @@ def validate_recovery(cfg: Any) -> None:
         )
     if rec.preempt_rate < 0:
         raise UserError(f"--preempt-rate {rec.preempt_rate}: expected a rate >= 0 per worker-hour")
-
-
-def wait_all(procs: list[subprocess.Popen[bytes]]) -> list[int]:
-    """Wait for every worker; when one fails, stop the others (static job: nothing to fail over to)."""
-    while True:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            return [int(c) for c in codes if c is not None]
-        if any(c not in (None, 0) for c in codes):
-            # Give the others a moment to report their own (often the same) error.
-            time.sleep(1.0)
-            terminate(procs)
-            return [int(p.wait()) for p in procs]
-        time.sleep(0.05)
-
-
-def terminate(procs: list[subprocess.Popen[bytes]]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
 
 
 def format_summary(s: dict[str, Any], output: Path) -> str:
