@@ -57,6 +57,8 @@ from typing import Any
 
 import torch
 
+from spotline.tracking import write_bytes_atomic
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
@@ -130,17 +132,8 @@ def _temp_path(path: Path) -> Path:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temp file in the same directory, fsync, rename."""
-    tmp_path = _temp_path(path)
-    try:
-        with open(tmp_path, "xb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_path, path)
-    except BaseException:
-        tmp_path.unlink(missing_ok=True)
-        raise
+    """Write ``data`` atomically (temp file, fsync, rename), then fsync the directory."""
+    write_bytes_atomic(path, data)
     _fsync_dir(path.parent)
 
 

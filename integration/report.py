@@ -29,13 +29,13 @@ import csv
 import hashlib
 import io
 import math
-import os
 import statistics
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from spotline.tracking import write_bytes_atomic
 
 PREEMPTION_EVENTS = frozenset({"preempted"})
 FAILURE_EVENTS = frozenset({"preempted", "detected"})
@@ -132,7 +132,7 @@ class Timeline:
                     row.detail,
                 ]
             )
-        _write_atomic(Path(path), buffer.getvalue().encode("utf-8"))
+        write_bytes_atomic(Path(path), buffer.getvalue().encode("utf-8"))
 
     def plot_png(self, path: Path, title: str) -> None:
         """Draw the timeline into ``path`` (PNG, atomically): live workers over time with
@@ -142,21 +142,7 @@ class Timeline:
         figure = _plot(self.rows, title)
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png", dpi=100)
-        _write_atomic(Path(path), buffer.getvalue())
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    # open(..., "xb") rather than mkstemp: the file gets the umask's mode (mkstemp's is 0600).
-    tmp_path = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-    try:
-        with open(tmp_path, "xb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_path, path)
-    except BaseException:
-        tmp_path.unlink(missing_ok=True)
-        raise
+        write_bytes_atomic(Path(path), buffer.getvalue())
 
 
 def _spans(rows: list[TimelineRow], end_s: float) -> dict[str, list[tuple[float, float, str]]]:

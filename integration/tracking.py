@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -14,20 +14,28 @@ from spotline.config import TrackingSection
 SUMMARY_NAME = "summary.json"
 
 
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a unique temp file beside it, fsync, rename.
+
+    A reader sees the old file or the whole new one, never a part. ``open(..., "xb")`` rather
+    than mkstemp, so the file gets the umask's mode (mkstemp's is 0600).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_path = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
+    try:
+        with open(tmp_path, "xb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        tmp_path.unlink(missing_ok=True)
+        raise
+
+
 def write_json_atomic(path: Path, payload: dict[str, Any]) -> None:
     """Write JSON so a reader sees either the old file or the whole new one, never a part."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2, sort_keys=True)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_bytes_atomic(path, (json.dumps(payload, indent=2, sort_keys=True) + "\n").encode())
 
 
 class Tracker:
