@@ -113,11 +113,17 @@ class RecoverySection:
     inject: list[str] = field(default_factory=list)
     trace: str | None = None
     time_scale: float = 1.0
+    # "wall": trace time runs with the wall clock; "steps": each training step started is
+    # step_time_estimate_s of wall time and idle time is skipped (reproducible replays).
+    trace_clock: Literal["wall", "steps"] = "wall"
     trace_removal: Literal["kill", "term"] = "kill"
     preempt_rate: float = 0.0  # preemptions per worker-hour of trace time
     preempt_seed: int | None = None  # None: the run's seed
     replace_after_s: float = 45.0  # trace time until a preempted worker is replaced
     max_workers: int | None = None  # local cap for trace replay (default: --workers)
+    # Processes started ahead of trace (or random-preemption) arrivals, so that an arrival is
+    # a started process as a cloud node is a booted machine (see Coordinator._keep_warm).
+    warm_workers: int = 1
     # checkpoint-restart with checkpoints.interval_steps 0: the Young/Daly interval
     # sqrt(2 * cost * MTBF) needs these estimates (seconds).
     checkpoint_cost_s: float = 0.05
@@ -308,6 +314,12 @@ def validate(cfg: RunConfig) -> None:
     _positive("spotline.elasticity.logical_workers", sl.elasticity.logical_workers)
     _positive("spotline.determinism.intra_op_threads", sl.determinism.intra_op_threads)
     _positive("spotline.checkpoints.keep", sl.checkpoints.keep)
+    _positive("spotline.recovery.max_workers", sl.recovery.max_workers)
+    if sl.recovery.warm_workers < 0:
+        raise UserError(
+            "config key 'spotline.recovery.warm_workers' is negative; use 0 (arrivals start "
+            "cold) or a count of processes to start ahead"
+        )
     if sl.checkpoints.interval_steps < 0:
         raise UserError(
             "config key 'spotline.checkpoints.interval_steps' is negative; use 0 (never) or a step count"

@@ -93,7 +93,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def validate_recovery(cfg: Any) -> None:
     """Recovery inputs a user can get wrong: inject specs, trace files, rates."""
-    from spotline.plan.chaos import check_injections, parse_injections
+    from spotline.plan.chaos import check_injections, parse_injections, replay_trace
     from spotline.plan.traces import load_trace
 
     rec = cfg.spotline.recovery
@@ -105,9 +105,29 @@ def validate_recovery(cfg: Any) -> None:
                 f"--trace {rec.trace}: no such file; pass a trace file (see shared/traces/README.md)"
             )
         try:
-            load_trace(rec.trace)
+            trace = load_trace(rec.trace)
         except ValueError as exc:
             raise UserError(f"--trace {rec.trace}: {exc}") from None
+        cap = rec.max_workers or cfg.num_workers
+        need = cfg.num_stages * cfg.num_pipelines
+        # The smallest layout the planner runs (stages folded onto fewer workers) still
+        # needs one worker per pipeline; a full one needs `need`. Ask for the full one: a
+        # trace that never reaches it would train a degraded pipeline or wait forever.
+        if rec.time_scale > 0:
+            try:
+                replay = replay_trace(
+                    trace, max_workers=cap, time_scale=rec.time_scale, removal=rec.trace_removal
+                )
+            except ValueError as exc:
+                raise UserError(f"--trace {rec.trace}: {exc}") from None
+            peak = replay.peak_workers(cap)
+            if peak < need:
+                raise UserError(
+                    f"--trace {rec.trace}: at most {peak} worker(s) are ever live (with "
+                    f"--max-workers {cap}), fewer than the {need} that {cfg.num_stages} "
+                    f"stage(s) x {cfg.num_pipelines} pipeline(s) need; raise --max-workers or "
+                    "use fewer stages or workers"
+                )
     if rec.time_scale <= 0:
         raise UserError(
             f"--time-scale {rec.time_scale}: expected a positive number of trace seconds per second"

@@ -33,7 +33,14 @@ from typing import Any
 
 from spotline.config import RunConfig
 from spotline.elastic import layout_to_json
-from spotline.plan.chaos import TimedEvent, parse_injections, random_preemptions, replay_trace
+from spotline.plan.chaos import (
+    TimedEvent,
+    TraceReplay,
+    parse_injections,
+    random_preemptions,
+    replay_trace,
+    trace_cycle,
+)
 from spotline.plan.layout import (
     FatalLoss,
     GenerationPlan,
@@ -57,6 +64,9 @@ class WorkerProc:
     started: float
     alive: bool = True
     fate: str = "running"  # running, killed, terminated, left, exited
+    # Started ahead of a trace arrival (recovery.warm_workers): not a node of the trace until
+    # an arrival takes it, so it is neither counted, preempted nor planned before then.
+    warm: bool = False
 
 
 @dataclass
@@ -90,6 +100,8 @@ class Coordinator:
         self.timeline = Timeline()
         self.injections = parse_injections(self.sl.recovery.inject)
         self.done_add_steps: set[int] = set()
+        self.replay: TraceReplay | None = None
+        self.replay_cycle = 0
         self.timed: list[TimedEvent] = self._timed_events()
         self.interval_steps = self.checkpoint_interval()
         self.rng = random.Random(self._preempt_seed())
@@ -111,6 +123,9 @@ class Coordinator:
         self.boundary_for_joiners: set[str] = set()
         self.awaited_joiners: set[str] = set()
         self.clock_t: float | None = None
+        self.clock_steps = 0  # step clock (recovery.trace_clock "steps"): steps started
+        self.clock_progress: int | None = None
+        self.clock_skip_s = 0.0
         self.initial_ids: list[str] = []
         self.worker_stats: dict[str, dict[str, Any]] = {}
         self.shown_progress = 0
@@ -182,6 +197,7 @@ class Coordinator:
                 removal=rec.trace_removal,
             )
             self.trace_initial = replay.initial_workers
+            self.replay = replay
             return list(replay.events)
         if rec.preempt_rate > 0:
             # A horizon long enough for the run; events past the end are never reached.
@@ -197,7 +213,7 @@ class Coordinator:
         return []
 
     # -- workers ----------------------------------------------------------------------
-    def spawn(self, entry_generation: int | None) -> str:
+    def spawn(self, entry_generation: int | None, *, warm: bool = False) -> str:
         """Start a worker. With ``entry_generation`` None it is included in a plan only once
         it has joined (imports and data loaded), so members never wait on its start-up."""
         wid = f"w{self.next_index}"
@@ -226,8 +242,21 @@ class Coordinator:
             stderr=subprocess.STDOUT,
         )
         log.close()
-        self.workers[wid] = WorkerProc(wid, proc, self.now())
+        self.workers[wid] = WorkerProc(wid, proc, self.now(), warm=warm)
         return wid
+
+    def _keep_warm(self) -> None:
+        """Keep ``recovery.warm_workers`` processes started ahead of timed arrivals.
+
+        A trace records when a cloud node became available, and its clock is compressed by
+        ``time_scale``; a local process start-up (seconds of imports) is not. Without warm
+        workers a replay at a high time scale kills arrivals before they finish starting and
+        the run makes no progress."""
+        if not self.timed and self.replay is None:
+            return
+        warm = [w for w, p in self.workers.items() if p.alive and p.warm]
+        for _ in range(self.sl.recovery.warm_workers - len(warm)):
+            self.spawn(None, warm=True)
 
     def include(self, wid: str, generation: int) -> None:
         self.included.add(wid)
@@ -242,7 +271,8 @@ class Coordinator:
         ]
 
     def live_ids(self) -> list[str]:
-        return [w for w, p in self.workers.items() if p.alive]
+        """Live workers that are nodes of the run (warm workers not yet arrived excluded)."""
+        return [w for w, p in self.workers.items() if p.alive and not p.warm]
 
     def signal_worker(self, wid: str, how: str) -> None:
         proc = self.workers[wid]
@@ -313,7 +343,12 @@ class Coordinator:
             if self.first_step_t is None and not started:
                 return
             self.clock_t = self.first_step_t or time.monotonic()
-        elapsed = time.monotonic() - self.clock_t
+        elapsed = self._trace_elapsed()
+        if self.replay is not None and not self.timed and self.replay.duration_s > 0:
+            # The run outlasts the trace: replay it again (spotline.plan.chaos.trace_cycle).
+            self.replay_cycle += 1
+            self.timed = list(trace_cycle(self.replay, self.replay_cycle))
+            self._event("trace-repeated", cycle=self.replay_cycle)
         while self.timed and self.timed[0].at_s <= elapsed:
             ev = self.timed.pop(0)
             if ev.kind == "remove":
@@ -325,6 +360,30 @@ class Coordinator:
                 for _ in range(ev.count):
                     if len(self.live_ids()) < cap:
                         self._arrival()
+
+    def _trace_elapsed(self) -> float:
+        """Seconds of replay (wall seconds; trace seconds are these times ``time_scale``).
+
+        With ``recovery.trace_clock`` "wall" it is the wall time since the clock started. With
+        "steps" each training step started counts ``step_time_estimate_s`` (redone steps too,
+        they are training time), and time spent unable to train is skipped: the events then
+        land on the same steps on any machine, so a replay is reproducible event for event.
+        """
+        assert self.clock_t is not None
+        if self.sl.recovery.trace_clock == "wall":
+            return time.monotonic() - self.clock_t
+        progress = self.max_progress()
+        if self.clock_progress is not None and progress > self.clock_progress:
+            self.clock_steps += progress - self.clock_progress
+        # After a checkpoint fallback progress goes back; the redone steps count again.
+        self.clock_progress = progress
+        return self.clock_steps * self.sl.recovery.step_time_estimate_s + self.clock_skip_s
+
+    def _skip_idle_time(self) -> None:
+        """Step clock: nothing can train and nobody is starting, so jump to the next event."""
+        if self.sl.recovery.trace_clock != "steps" or self.clock_t is None or not self.timed:
+            return
+        self.clock_skip_s += max(0.0, self.timed[0].at_s - self._trace_elapsed())
 
     def _deliver_step_injections(self) -> None:
         """``add:STEP`` and phase-less ``kill|term:STEP:WORKER`` (delivered together when a
@@ -351,8 +410,21 @@ class Coordinator:
                     self.signal_worker(wid, inj.signal)
 
     def _arrival(self) -> None:
-        wid = self.spawn(None)
+        warm = [w for w, p in self.workers.items() if p.alive and p.warm]
+        # A warm worker that has finished starting first; else the oldest still starting.
+        joined = [w for w in warm if self.store.check([f"joined/{w}"])]
+        if joined or warm:
+            wid = (joined or warm)[0]
+            self.workers[wid].warm = False
+        else:
+            wid = self.spawn(None)
         self._event("arrived", worker=wid)
+        if self.sl.recovery.trace_clock == "steps":
+            # Members stop a little ahead and wait for it, as for "--inject add:STEP": its
+            # start-up must not decide at which step it trains.
+            self.awaited_joiners.add(wid)
+            self._request_boundary()
+        self._keep_warm()
 
     def _admit_joiners(self) -> None:
         """A started worker that has joined: members stop at the next boundary to let it in."""
@@ -396,6 +468,7 @@ class Coordinator:
         initial = min(initial, self.sl.recovery.max_workers or self.cfg.num_workers)
         ids = [self.spawn(0) for _ in range(initial)]
         self.initial_ids = list(ids)
+        self._keep_warm()
         self.layout = initial_layout(S, P, ids)
         self._publish(0, self._plan_json("train", self.layout, 0, {}, []))
         self._event("start", workers=len(ids))
@@ -409,6 +482,10 @@ class Coordinator:
         # Training time: from the first step to the last commit, recoveries included.
         self.train_wall_s = end - (self.first_step_t or t_start)
         self._publish(self.generation + 1, {"action": "finish"})
+        for w in self.live_ids() + [w for w, p in self.workers.items() if p.alive and p.warm]:
+            if w not in self.included:
+                # Started but never planned (warm, or arrived at the end): let it read "finish".
+                self.store.set(f"entry/{w}", str(self.generation + 1))
         for p in self.workers.values():
             try:
                 p.proc.wait(timeout=30)
@@ -452,6 +529,8 @@ class Coordinator:
             if joiners:
                 return joiners
             starting = [w for w in self.live_ids() if not self.store.check([f"joined/{w}"])]
+            if not starting:
+                self._skip_idle_time()
             if not starting and not self.timed:
                 raise RuntimeError(
                     f"{len(self.live_ids())} worker(s) left, fewer than the {self.cfg.num_pipelines} "
@@ -679,7 +758,6 @@ class Coordinator:
             else self.output / "checkpoints"
         )
         step = latest_complete(root) if root.exists() else None
-        self.fallbacks += 1
         S, P = self.cfg.num_stages, self.cfg.num_pipelines
         everyone = [WorkerReport(r.worker, (), r.previous_slot) for r in reports]
         for r in reports:
@@ -687,7 +765,10 @@ class Coordinator:
                 self.include(r.worker, g)
         if not everyone:
             self.layout = None
-            self.resume_step = step or 0
+            # Without a checkpoint resume_step stays where training was, so that once workers
+            # arrive this is a restart from scratch (steps redone counted), not a first start.
+            if step is not None:
+                self.resume_step = step
             self._publish(g, self._plan_json("train", None, self.resume_step, {}, ()))
             return
         if step is None:
@@ -696,6 +777,9 @@ class Coordinator:
             self.steps_redone += reached
             self.layout, self.resume_step = layout, 0
             self._publish(g, self._plan_json("train", layout, 0, {}, []))
+            # Counted where a layout is published: a total loss with nobody left to restore
+            # onto comes back here once workers have arrived, and is one fallback.
+            self.fallbacks += 1
             self._event("restart-from-scratch")
             if layout is None:
                 self._wait_for_joiners()
@@ -710,6 +794,7 @@ class Coordinator:
             self._publish(
                 g, self._plan_json("restore", layout, step, holders, sources, checkpoint_step=step)
             )
+            self.fallbacks += 1
             self._event("checkpoint-fallback", step=step)
             if layout is None:
                 self._wait_for_joiners()

@@ -24,8 +24,10 @@ FLAG_KEYS: dict[str, str] = {
     "recovery": "spotline.recovery.mode",
     "trace": "spotline.recovery.trace",
     "time_scale": "spotline.recovery.time_scale",
+    "trace_clock": "spotline.recovery.trace_clock",
     "preempt_rate": "spotline.recovery.preempt_rate",
     "max_workers": "spotline.recovery.max_workers",
+    "warm_workers": "spotline.recovery.warm_workers",
     "checkpoint_interval": "spotline.checkpoints.interval_steps",
     "store": "spotline.recovery.store",
     "etcd_endpoint": "spotline.recovery.etcd_endpoint",
@@ -85,9 +87,18 @@ def add_recovery_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--time-scale", type=float, help="trace seconds played per wall second")
     parser.add_argument(
+        "--trace-clock",
+        help="wall (default), or steps: each step is recovery.step_time_estimate_s, idle skipped",
+    )
+    parser.add_argument(
         "--preempt-rate", type=float, help="random preemptions per worker-hour (seeded by --seed)"
     )
     parser.add_argument("--max-workers", type=int, help="local cap on workers for trace replay")
+    parser.add_argument(
+        "--warm-workers",
+        type=int,
+        help="processes started ahead of trace arrivals (default 1; 0: arrivals start cold)",
+    )
     parser.add_argument(
         "--checkpoint-interval", type=int, help="steps between checkpoints (0: never)"
     )

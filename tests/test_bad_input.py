@@ -66,3 +66,19 @@ def test_rejected_run_leaves_the_output_directory_alone(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert (out / "summary.json").read_text() == '{"earlier": true}'
     assert sorted(p.name for p in out.iterdir()) == ["summary.json"]
+
+
+def test_trace_that_never_holds_enough_workers(tmp_path: Path) -> None:
+    trace = tmp_path / "thin.csv"
+    trace.write_text("0,add,n1\n60000,remove,n1\n120000,add,n2\n")
+    out = tmp_path / "out"
+    proc = run_spotline(
+        ["train", "--workers", "2", "--stages", "2", "--trace", str(trace), "--output", str(out)]
+    )
+    _check(proc, out, "thin.csv", "at most 1 worker", "--max-workers")
+
+
+def test_negative_warm_workers(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = run_spotline(["train", "--warm-workers", "-1", "--output", str(out)])
+    _check(proc, out, "spotline.recovery.warm_workers", "negative")

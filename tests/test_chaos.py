@@ -21,6 +21,7 @@ from spotline.plan.chaos import (
     random_preemptions,
     replay_trace,
     signal_number,
+    trace_cycle,
     trace_events,
 )
 from spotline.plan.traces import Trace, TraceEvent, live_nodes_over_time, load_trace
@@ -178,6 +179,39 @@ def test_trace_events_on_a_hand_made_trace() -> None:
         (60.0, 1),
         (90.0, 2),
     ]
+
+
+def test_a_run_longer_than_its_trace_replays_it_again() -> None:
+    replay = replay_trace(tiny_trace(), max_workers=4, time_scale=2.0, removal="term")
+    assert replay.final_workers == 2
+    assert trace_cycle(replay, 0) == replay.events
+    # Cycle 1: back from 2 to the initial 3 at 120 s, then the events 120 s later.
+    assert trace_cycle(replay, 1) == (
+        TimedEvent(120.0, "add", None, 1),
+        TimedEvent(150.0, "remove", "term", 2),
+        TimedEvent(180.0, "remove", "term", 1),
+        TimedEvent(180.0, "add", None, 1),
+        TimedEvent(210.0, "add", None, 1),
+    )
+    events = [e for cycle in range(4) for e in trace_cycle(replay, cycle)]
+    assert [e.at_s for e in events] == sorted(e.at_s for e in events)
+    # Every cycle starts from the initial count, so the counts never drift.
+    counts = live_workers_over_time(replay.initial_workers, events)
+    assert counts[-1][1] == replay.final_workers
+    assert min(count for _, count in counts) >= 0
+    with pytest.raises(ValueError, match="cycle"):
+        trace_cycle(replay, -1)
+
+
+def test_a_trace_that_ends_above_its_start_removes_at_the_wrap() -> None:
+    grows = Trace(
+        (TraceEvent(0.0, "add", "a"), TraceEvent(10.0, "add", "b"), TraceEvent(20.0, "add", "c")),
+        20.0,
+        "grows",
+    )
+    replay = replay_trace(grows, max_workers=4, time_scale=1.0, removal="kill")
+    assert (replay.initial_workers, replay.final_workers) == (1, 3)
+    assert trace_cycle(replay, 2)[0] == TimedEvent(40.0, "remove", "kill", 2)
 
 
 def test_time_scale_divides_trace_time() -> None:

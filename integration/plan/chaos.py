@@ -30,6 +30,11 @@ The replay rules, all in :func:`replay_trace`:
 - Events of one trace instant merge into at most two :class:`TimedEvent`: the removals first,
   then the arrivals, so the local worker count never exceeds ``max_workers`` even for a
   replacement that arrives in the same millisecond as the preemption it replaces.
+- A run that outlasts its trace replays it again (:func:`trace_cycle`): at the end of each
+  cycle the count returns to the initial one (one removal or arrival event), then the
+  trace's events repeat shifted by its duration. Real traces often end with few nodes; a
+  replay that stopped there would fail runs that merely train slower than the machine the
+  time scale was chosen on.
 """
 
 from __future__ import annotations
@@ -246,6 +251,48 @@ class TraceReplay:
     events: tuple[TimedEvent, ...]
     duration_s: float
     source: str
+
+    @property
+    def final_workers(self) -> int:
+        """The live count after the last event (before any cap the coordinator applies)."""
+        count = self.initial_workers
+        for event in self.events:
+            count += event.count if event.kind == "add" else -event.count
+        return count
+
+    def peak_workers(self, max_workers: int) -> int:
+        """The most workers ever live when arrivals beyond ``max_workers`` are dropped (as
+        the coordinator drops them)."""
+        live = peak = min(self.initial_workers, max_workers)
+        for event in self.events:
+            if event.kind == "add":
+                live = min(max_workers, live + event.count)
+            else:
+                live = max(0, live - event.count)
+            peak = max(peak, live)
+        return peak
+
+
+def trace_cycle(replay: TraceReplay, cycle: int) -> tuple[TimedEvent, ...]:
+    """The events of the ``cycle``-th repetition of ``replay`` (cycle 0 is ``replay.events``):
+    first the event that restores the initial count at ``cycle * duration_s``, then the
+    trace's events shifted by that much. ValueError on a negative cycle."""
+    if isinstance(cycle, bool) or not isinstance(cycle, int) or cycle < 0:
+        raise ValueError(f"cycle must be an integer >= 0, got {cycle!r}")
+    if cycle == 0:
+        return replay.events
+    # A zero-length trace (everything at its first instant) has nothing to repeat.
+    assert replay.duration_s > 0, "a trace with a single instant has no events to repeat"
+    offset = cycle * replay.duration_s
+    wrap: list[TimedEvent] = []
+    gap = replay.final_workers - replay.initial_workers
+    how: Removal = next((e.how for e in replay.events if e.how is not None), "kill")
+    if gap > 0:
+        wrap.append(TimedEvent(offset, "remove", how, gap))
+    elif gap < 0:
+        wrap.append(TimedEvent(offset, "add", None, -gap))
+    shifted = [TimedEvent(e.at_s + offset, e.kind, e.how, e.count) for e in replay.events]
+    return (*wrap, *shifted)
 
 
 def _check_time_scale(time_scale: float) -> None:
