@@ -19,19 +19,26 @@ Rules (all deterministic; pure code, no torch):
 - Data-parallel peers hold identical stage state, so any holder is a source for any
   pipeline's copy of that stage.
 - Shape. ``S' = min(num_stages, live workers // num_pipelines)`` physical stages; with
-  fewer workers than pipelines the job waits for workers.
+  fewer workers than pipelines the job waits for workers. In the elastic mode (logical
+  pipelines hosted by fewer physical ones, EasyScale; the simulator's ``spotline-elastic``
+  policy, executed by the runtime once elastic data parallelism lands) whole pipelines go
+  first: ``P' = max(1, min(num_pipelines, live // num_stages))`` physical pipelines of
+  ``S' = min(num_stages, live // P')`` physical stages.
 - Grouping and assignment. Among all contiguous groupings of the logical stages into
   ``S'`` physical stages, choose the one whose greedy assignment moves the least state
   (counted in logical stages a worker must receive); ties: fewer logical stages in the
-  largest group, then the lexicographically first grouping. Slots are filled in (physical
-  stage, pipeline) order, each with the unassigned worker that lacks the fewest of the
-  slot's stages, preferring the worker that ran the same slot before, then worker order.
+  largest group, then the lexicographically first grouping. A worker that ran the same
+  slot before and holds all of its stages keeps it; the other slots are filled in
+  (physical stage, pipeline) order, each with the unassigned worker that lacks the fewest
+  of the slot's stages, preferring the worker that ran the same slot before, then worker
+  order.
 - Every logical stage's state must be held by some member (standbys are not in the
   process group); a member is swapped for a holder if needed.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -58,7 +65,10 @@ class WorkerReport:
 
 @dataclass(frozen=True)
 class Layout:
-    """Physical stages (groups of logical stages) and the worker on each slot."""
+    """Physical stages (groups of logical stages) and the worker on each slot.
+
+    ``num_pipelines`` counts physical pipelines (rows of ``slots``): the logical count,
+    except in the planner's elastic mode."""
 
     num_stages: int
     num_pipelines: int
@@ -80,7 +90,7 @@ class Layout:
     def num_physical_stages(self) -> int:
         return len(self.groups)
 
-    @property
+    @functools.cached_property
     def members(self) -> tuple[str, ...]:
         """Workers in rank order: DeepSpeed's pipe-major topology, rank = stage * P + pipeline."""
         return tuple(
@@ -136,10 +146,29 @@ def contiguous_groupings(num_stages: int, num_groups: int) -> Iterator[tuple[tup
         yield tuple(tuple(range(bounds[i], bounds[i + 1])) for i in range(num_groups))
 
 
-def initial_layout(num_stages: int, num_pipelines: int, workers: Sequence[str]) -> Layout | None:
+def initial_layout(
+    num_stages: int, num_pipelines: int, workers: Sequence[str], *, elastic: bool = False
+) -> Layout | None:
     """Generation 0: pipeline p stage s on ``workers[p * S + s]``; extras stand by."""
     reports = [WorkerReport(w) for w in workers]
-    return choose_layout(num_stages, num_pipelines, reports, usable={})
+    return choose_layout(num_stages, num_pipelines, reports, usable={}, elastic=elastic)
+
+
+def member_holdings(
+    layout: Layout, version: int, *, replicas: bool
+) -> dict[str, tuple[Holding, ...]]:
+    """What each member holds after ``version`` committed steps of ``layout``: its own
+    logical stages and, with redundancy on, its successor physical stage's (the last
+    physical stage holds the first, as in Bamboo). A single physical stage has no replica."""
+    held: dict[str, tuple[Holding, ...]] = {}
+    num_physical = layout.num_physical_stages
+    for row in layout.slots:
+        for index, worker in enumerate(row):
+            stages = set(layout.groups[index])
+            if replicas and num_physical > 1:
+                stages |= set(layout.groups[(index + 1) % num_physical])
+            held[worker] = tuple(Holding(stage, version, False) for stage in sorted(stages))
+    return held
 
 
 def committed_state(
@@ -167,10 +196,14 @@ def choose_layout(
     num_pipelines: int,
     reports: Sequence[WorkerReport],
     usable: dict[int, list[str]],
+    *,
+    elastic: bool = False,
 ) -> Layout | None:
     """Pick groups and an assignment that move the least state (see the module rules)."""
     workers = [r.worker for r in reports]
     previous = {r.worker: r.previous_slot for r in reports}
+    if elastic and workers:
+        num_pipelines = max(1, min(num_pipelines, len(workers) // num_stages))
     num_physical = min(num_stages, len(workers) // num_pipelines)
     if num_physical == 0:
         return None
@@ -199,10 +232,28 @@ def _assign(
     usable: dict[int, list[str]],
 ) -> tuple[Layout, int]:
     free = list(workers)
+    order = {w: i for i, w in enumerate(workers)}
     slots: list[list[str]] = [[""] * len(groups) for _ in range(num_pipelines)]
     cost = 0
+    # A worker that can stay where it was, holding everything its slot needs, stays: a greedy
+    # pass alone could hand its slot to another worker and move it, costing two transfers.
     for stage_idx, group in enumerate(groups):
         for pipeline in range(num_pipelines):
+            stayer = next(
+                (
+                    w
+                    for w in free
+                    if previous.get(w) == (pipeline, stage_idx) and _missing(w, group, usable) == 0
+                ),
+                None,
+            )
+            if stayer is not None:
+                free.remove(stayer)
+                slots[pipeline][stage_idx] = stayer
+    for stage_idx, group in enumerate(groups):
+        for pipeline in range(num_pipelines):
+            if slots[pipeline][stage_idx]:
+                continue
 
             def rank(
                 w: str,
@@ -213,7 +264,7 @@ def _assign(
                 return (
                     _missing(w, group, usable),
                     0 if previous.get(w) == (pipeline, stage_idx) else 1,
-                    workers.index(w),
+                    order[w],
                 )
 
             chosen = min(free, key=rank)
@@ -249,13 +300,15 @@ def plan_generation(
     num_stages: int,
     num_pipelines: int,
     reports: Sequence[WorkerReport],
+    *,
+    elastic: bool = False,
 ) -> GenerationPlan | FatalLoss:
     """The next generation from the live workers' reports (failure, arrival or departure)."""
     state = committed_state(reports, num_stages)
     if isinstance(state, FatalLoss):
         return state
     committed, usable = state
-    layout = choose_layout(num_stages, num_pipelines, reports, usable)
+    layout = choose_layout(num_stages, num_pipelines, reports, usable, elastic=elastic)
     if layout is None:
         return GenerationPlan(
             generation,

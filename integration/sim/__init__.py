@@ -4,7 +4,8 @@
   (default ``spotline/assets/calibration-bamboo.json``).
 - :mod:`spotline.sim.engine`: replays a :class:`spotline.plan.traces.Trace` under the
   ``spotline``, ``spotline-rigid``, ``checkpoint-restart`` and ``on-demand`` policies; every
-  placement decision comes from :mod:`spotline.plan.placement`.
+  placement, takeover and fatal-loss decision comes from the runtime's own planner,
+  :mod:`spotline.plan.layout`.
 - :mod:`spotline.sim.sweep`: many seeds and preemption rates, optionally over processes.
 - :mod:`spotline.sim.bench`: the timed sweep benchmark (``python -m spotline.sim.bench``).
 """

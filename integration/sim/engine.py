@@ -3,26 +3,28 @@
 Policies (:data:`POLICIES`):
 
 ``spotline``
-    Bamboo-style redundancy with elastic logical workers. Every placement decision is
-    :mod:`spotline.plan.placement`'s: a preemption calls ``on_failure(elastic=True)`` (a
-    pipeline with an unrecoverable stage is dissolved and the others keep training), then
-    ``rebalance``; an arrival calls ``on_arrival``. A change of running stages pauses
-    training for ``reconfigure_s``; nothing is redone (the replica holder replays the
-    in-flight step). A degraded placement (a worker running two stages) runs each step
-    ``degraded_slowdown`` times slower. Only a :class:`~spotline.plan.placement.FatalLoss`
-    (every pipeline broken) rolls back to the last checkpoint and pays
-    ``fatal_rendezvous_s + checkpoint_load_s``. Checkpoints every
+    Bamboo-style redundancy with elastic logical workers. Every decision is the runtime's
+    planner's (:func:`spotline.plan.layout.plan_generation`, the function the coordinator
+    calls at each generation), in its elastic mode: members report what they hold (their
+    stages and their successor's replica, :func:`~spotline.plan.layout.member_holdings`),
+    a preemption or an arrival starts a new generation that pauses training for
+    ``reconfigure_s``, and nothing is redone (the replica holder replays the in-flight
+    step). Too few nodes for a full layout drop whole pipelines first (the global batch is
+    fixed, so each step is slower), then fold stages onto fewer workers (the busiest worker
+    sets the pace: :func:`layout_step_time_s`). Waiting for nodes keeps the state. Only a
+    :class:`~spotline.plan.layout.FatalLoss` (a stage no survivor holds) rolls back to the
+    last checkpoint and pays ``fatal_rendezvous_s + checkpoint_load_s``. Checkpoints every
     ``spotline_checkpoint_interval_s`` of training until the first fatal loss; after k
     fatal losses the interval adapts to Young/Daly with the observed fatal MTBF (now / k),
     as a runtime that counts its fatal losses can (a fixed hourly checkpoint would make the
     rigid variant redo up to an hour per fatal loss).
 ``spotline-rigid``
-    The same without elastic logical workers (Bamboo's behaviour): any unrecoverable stage
-    is a fatal loss.
+    What the runtime runs today (data parallelism fixed to the configured pipelines): the
+    same planner without the elastic mode, so a loss folds stages in every pipeline.
 ``checkpoint-restart``
     Whenever a node that runs a stage is preempted, every node restarts from the last
     checkpoint (``fatal_rendezvous_s + checkpoint_load_s``, work since the checkpoint is
-    redone) on ``initial_placement`` of the ready nodes. Checkpoints every
+    redone) on the planner's initial layout of the ready nodes (whole pipelines only). Checkpoints every
     ``sqrt(2 * checkpoint_save_s * MTBF)`` seconds of training (Young/Daly) where MTBF is the
     replayed trace's duration over its number of preemption instants (or an interval given
     in :class:`SimConfig`). Nodes that arrive while it runs join at the next checkpoint if
@@ -45,20 +47,17 @@ redone`` steps, and running + paused + checkpointing + waiting time == the durat
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
-from spotline.plan.placement import (
-    FailoverPlan,
+from spotline.plan.layout import (
     FatalLoss,
-    LogicalTopology,
-    Placement,
-    initial_placement,
-    is_degraded,
-    on_arrival,
-    on_failure,
-    rebalance,
+    Layout,
+    WorkerReport,
+    initial_layout,
+    member_holdings,
+    plan_generation,
 )
 from spotline.plan.traces import Trace, TraceEvent
 from spotline.sim.calibration import Calibration, ModelCalibration
@@ -72,6 +71,18 @@ make the interval 0)."""
 
 _Status = Literal["waiting", "paused", "running", "checkpointing"]
 _PauseKind = Literal["restart", "reconfigure"]
+
+
+def layout_step_time_s(model: ModelCalibration, layout: Layout) -> float:
+    """Seconds per step of ``layout``: the table's time for its physical pipelines; with
+    merged stages the pipeline runs at the pace of its busiest worker, which runs k logical
+    stages: the degraded time (one extra stage) plus one more increment per further stage."""
+    base = model.step_time_s(layout.num_pipelines, False)
+    widest = max(len(group) for group in layout.groups)
+    if widest == 1:
+        return base
+    degraded = model.step_time_s(layout.num_pipelines, True)
+    return degraded + (degraded - base) * (widest - 2)
 
 
 def young_daly_interval_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
@@ -114,9 +125,21 @@ class SimConfig:
                 raise ValueError(f"checkpoint intervals must be > 0, got {interval}")
 
     @property
-    def topology(self) -> LogicalTopology:
+    def topology(self) -> Topology:
         """The job's fixed logical topology."""
-        return LogicalTopology(self.model.num_stages, self.num_nodes // self.model.num_stages)
+        return Topology(self.model.num_stages, self.num_nodes // self.model.num_stages)
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``num_stages`` logical stages x ``num_pipelines`` logical pipelines."""
+
+    num_stages: int
+    num_pipelines: int
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_stages * self.num_pipelines
 
 
 @dataclass(frozen=True)
@@ -356,16 +379,16 @@ class _Run:
                 self.now = t_s
 
     # -- transitions driven by the policies --------------------------------------------
-    def set_placement(self, placement: Placement | None) -> None:
-        """Adopt the step time of a placement (None: waiting for workers)."""
-        if placement is None:
+    def set_layout(self, layout: Layout | None) -> None:
+        """Adopt the step time of a layout (None: waiting for workers)."""
+        if layout is None:
             self.status = "waiting"
             self.num_active_pipelines = 0
             self.record()
             return
-        self.num_active_pipelines = placement.num_active_pipelines
-        self.degraded = is_degraded(placement)
-        self.step_time_s = self.config.model.step_time_s(self.num_active_pipelines, self.degraded)
+        self.num_active_pipelines = layout.num_pipelines
+        self.degraded = layout.num_physical_stages < layout.num_stages
+        self.step_time_s = layout_step_time_s(self.config.model, layout)
         self.record()
 
     def pause(self, kind: _PauseKind, duration_s: float) -> None:
@@ -399,15 +422,12 @@ class _Run:
         return cost
 
     def check(
-        self, placement: Placement | None, removed: Sequence[str], arrived: Sequence[str]
+        self, placed: Collection[str], removed: Sequence[str], arrived: Sequence[str]
     ) -> None:
         """Conservation after a batch: no preempted node is placed (checked for the nodes
-        just removed; the placement only ever gains ready nodes, so by induction no
-        preempted node is placed at all) and the step ledger balances."""
-        if placement is not None:
-            assert not any(placement.has_worker(node) for node in removed), (
-                "a node is both preempted and placed"
-            )
+        just removed; a layout only ever gains ready nodes, so by induction no preempted
+        node is placed at all) and the step ledger balances."""
+        assert not any(node in placed for node in removed), "a node is both preempted and placed"
         assert not set(removed) & set(arrived), "a node is both preempted and arriving"
         assert self.trained_steps == self.committed_steps + self.redone_steps
         assert self.checkpoint_steps <= self.committed_steps
@@ -446,6 +466,122 @@ def _finish(
     )
 
 
+Slot = tuple[int, int]  # (physical pipeline, physical stage)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A planned layout with canonical names, and where each slot's worker comes from:
+    ``kept`` (new slot, its slot in the last layout) and ``joined`` (new slot, index among
+    the idle nodes). Idle nodes not placed stand by."""
+
+    layout: Layout
+    kept: tuple[tuple[Slot, Slot], ...]
+    joined: tuple[tuple[Slot, int], ...]
+    shape: Layout  # the layout with members named after their slots, no standbys
+
+    @staticmethod
+    def of(layout: Layout) -> _Plan:
+        kept: list[tuple[Slot, Slot]] = []
+        joined: list[tuple[Slot, int]] = []
+        for p, row in enumerate(layout.slots):
+            for i, name in enumerate(row):
+                if name.startswith("m"):
+                    old_p, old_i = name[1:].split(".")
+                    kept.append(((p, i), (int(old_p), int(old_i))))
+                else:
+                    joined.append(((p, i), int(name[1:])))
+        return _Plan(layout, tuple(kept), tuple(joined), _canonical(layout))
+
+    def place(self, last: dict[Slot, str], idle: Sequence[str]) -> dict[Slot, str]:
+        """The real node on each slot, given the last layout's and the idle nodes."""
+        placed = {new: last[old] for new, old in self.kept}
+        placed.update((new, idle[k]) for new, k in self.joined)
+        return placed
+
+
+class _RuntimePlanner:
+    """The runtime's planner (:mod:`spotline.plan.layout`), called with canonical worker
+    names and memoized, so that a sweep of thousands of runs plans each situation once.
+
+    A situation is the last layout's shape (groups, physical pipelines), which of its slots
+    were lost, and how many idle nodes there are. Members are named ``m{p}.{i}`` after their
+    slot and idle nodes ``i{k}`` after their order: a plan depends on the workers' order,
+    never on their names (tests/test_layout.py checks this), so the canonical plan holds for
+    the real nodes.
+    """
+
+    # Shared by every run of a process (a sweep runs thousands): the planner is pure.
+    _plans: ClassVar[dict[tuple[object, ...], _Plan | None | FatalLoss]] = {}
+
+    def __init__(self, num_stages: int, num_pipelines: int, *, elastic: bool) -> None:
+        self.num_stages = num_stages
+        self.num_pipelines = num_pipelines
+        self.elastic = elastic
+
+    def initial(self, num_nodes: int) -> _Plan | None:
+        """A start from nothing (first start, or the restart after a fatal loss)."""
+        key = (self.num_stages, self.num_pipelines, self.elastic, num_nodes)
+        if key not in self._plans:
+            idle = [f"i{k}" for k in range(num_nodes)]
+            layout = initial_layout(self.num_stages, self.num_pipelines, idle, elastic=self.elastic)
+            self._plans[key] = None if layout is None else _Plan.of(layout)
+        planned = self._plans[key]
+        assert not isinstance(planned, FatalLoss)
+        return planned
+
+    def replan(
+        self, last: Layout, lost: frozenset[Slot], num_idle: int
+    ) -> _Plan | None | FatalLoss:
+        """The next generation after ``last`` (canonical), whose slots ``lost`` are gone,
+        with ``num_idle`` idle nodes: a plan, None (waiting for nodes), or a FatalLoss."""
+        key = (
+            self.num_stages,
+            self.num_pipelines,
+            self.elastic,
+            last.groups,
+            last.num_pipelines,
+            lost,
+            num_idle,
+        )
+        if key not in self._plans:
+            held = member_holdings(last, 1, replicas=True)
+            reports = [
+                WorkerReport(last.slots[p][i], held[last.slots[p][i]], (p, i))
+                for i in range(last.num_physical_stages)
+                for p in range(last.num_pipelines)
+                if (p, i) not in lost
+            ] + [WorkerReport(f"i{k}") for k in range(num_idle)]
+            result = plan_generation(
+                0, self.num_stages, self.num_pipelines, reports, elastic=self.elastic
+            )
+            if isinstance(result, FatalLoss):
+                self._plans[key] = result
+            else:
+                self._plans[key] = None if result.layout is None else _Plan.of(result.layout)
+        return self._plans[key]
+
+
+def _canonical(layout: Layout) -> Layout:
+    """``layout`` with each member named ``m{p}.{i}`` after its slot and no standbys."""
+    return Layout(
+        layout.num_stages,
+        layout.num_pipelines,
+        layout.groups,
+        tuple(tuple(f"m{p}.{i}" for i in range(len(row))) for p, row in enumerate(layout.slots)),
+    )
+
+
+class _Members:
+    """The running (or last) layout in the simulator: its canonical shape and the node on
+    each slot."""
+
+    def __init__(self, plan: _Plan, last: dict[Slot, str], idle: Sequence[str]) -> None:
+        self.layout = plan.shape
+        self.by_slot = plan.place(last, idle)
+        self.slot_of = {node: slot for slot, node in self.by_slot.items()}
+
+
 def _simulate_spotline(
     trace: Trace,
     batches: Sequence[tuple[float, list[str], list[str]]],
@@ -459,60 +595,73 @@ def _simulate_spotline(
         interval = config.calibration.spotline_checkpoint_interval_s
     run = _Run(config, interval)
     topology = config.topology
-    num_stages = topology.num_stages
+    planner = _RuntimePlanner(topology.num_stages, topology.num_pipelines, elastic=elastic)
     reconfigure_s = config.calibration.reconfigure_s
     ready: dict[str, None] = {}  # insertion order = the order nodes became ready
-    placement: Placement | None = None
+    # ``state``: the layout whose members hold the training state (None: no state, a start
+    # or a restart from the checkpoint is next); ``lost``: its slots gone since it was
+    # planned (non-empty while waiting for nodes with the state still held).
+    state: _Members | None = None
+    lost: set[Slot] = set()
     num_fatal = num_failovers = num_preemptions = num_restarts = 0
+
+    def start() -> None:
+        nonlocal state, num_restarts
+        nodes = list(ready)
+        plan = planner.initial(len(nodes))
+        state = None if plan is None else _Members(plan, {}, nodes)
+        if state is not None:
+            num_restarts += 1
+            run.pause("restart", run.start_cost_s())
+        run.set_layout(None if state is None else state.layout)
+
+    def replan() -> None:
+        nonlocal state, lost, num_fatal
+        assert state is not None
+        idle = [n for n in ready if n not in state.slot_of]
+        result = planner.replan(state.layout, frozenset(lost), len(idle))
+        if isinstance(result, FatalLoss):
+            num_fatal += 1
+            run.rollback()
+            run.interval_s = max(
+                MIN_CHECKPOINT_INTERVAL_S,
+                young_daly_interval_s(
+                    config.model.checkpoint_save_s, max(run.now, 1.0) / num_fatal
+                ),
+            )
+            state, lost = None, set()
+            start()
+        elif result is None:
+            run.set_layout(None)  # too few nodes: wait, the survivors keep the state
+        else:
+            state, lost = _Members(result, state.by_slot, idle), set()
+            run.pause("reconfigure", reconfigure_s)
+            run.set_layout(state.layout)
+
     for t_s, removed, arrived in batches:
         run.advance(t_s)
         for node in removed:
             del ready[node]
         run.num_ready = len(ready)
-        if placement is not None and removed:
-            result = on_failure(placement, removed, elastic=elastic)
-            if isinstance(result, FatalLoss):
-                num_fatal += 1
+        if state is not None and removed:
+            gone = {state.slot_of[n] for n in removed if n in state.slot_of}
+            if gone:
                 num_preemptions += 1
-                run.rollback()
-                run.interval_s = max(
-                    MIN_CHECKPOINT_INTERVAL_S,
-                    young_daly_interval_s(
-                        config.model.checkpoint_save_s, max(run.now, 1.0) / num_fatal
-                    ),
-                )
-                placement = None
-                if len(ready) >= num_stages:
-                    placement = initial_placement(topology, list(ready))
-                    num_restarts += 1
-                    run.pause("restart", run.start_cost_s())
-                run.set_placement(placement)
-            else:
-                placement = result.placement
-                if result.owners_lost:
+                if not lost:
                     num_failovers += 1
-                    num_preemptions += 1
-                    if placement.standby:
-                        placement = rebalance(placement).placement
-                    run.pause("reconfigure", reconfigure_s)
-                    run.set_placement(placement)
+                lost |= gone
+                replan()
+            # A standby that goes changes nothing: the members train on.
         if arrived:
             for node in arrived:
                 ready[node] = None
             run.num_ready = len(ready)
-            if placement is None:
-                if len(ready) >= num_stages:
-                    placement = initial_placement(topology, list(ready))
-                    num_restarts += 1
-                    run.pause("restart", run.start_cost_s())
-                    run.set_placement(placement)
+            # An arrival joins at a step boundary: a new generation, as in the runtime.
+            if state is None:
+                start()
             else:
-                plan = on_arrival(placement, arrived)
-                placement = plan.placement
-                if plan.changed:
-                    run.pause("reconfigure", reconfigure_s)
-                    run.set_placement(placement)
-        run.check(placement, removed, arrived)
+                replan()
+        run.check(state.slot_of if state is not None and not lost else {}, removed, arrived)
     policy: PolicyName = "spotline" if elastic else "spotline-rigid"
     return _finish(
         run,
@@ -535,23 +684,27 @@ def _simulate_checkpoint_restart(
     run = _Run(config, interval_s)
     topology = config.topology
     num_stages = topology.num_stages
+    # A restart re-reads the checkpoint onto whole pipelines of the ready nodes (the global
+    # batch is fixed, so fewer pipelines means slower steps): the planner's elastic start.
+    planner = _RuntimePlanner(num_stages, topology.num_pipelines, elastic=True)
     ready: dict[str, None] = {}
-    placement: Placement | None = None
+    job: _Members | None = None
     num_restarts = num_preemptions = 0
 
     def restart() -> None:
-        nonlocal placement, num_restarts
-        placement = None
-        if len(ready) >= num_stages:
-            placement = initial_placement(topology, list(ready))
+        nonlocal job, num_restarts
+        nodes = list(ready)
+        plan = planner.initial(len(nodes)) if len(nodes) >= num_stages else None
+        job = None if plan is None else _Members(plan, {}, nodes)
+        if job is not None:
             num_restarts += 1
             run.pause("restart", run.start_cost_s())
-        run.set_placement(placement)
+        run.set_layout(None if job is None else job.layout)
 
     def grow_at_checkpoint() -> None:
         # The checkpoint was just written: growing redoes nothing, only the restart costs.
-        if placement is not None and len(ready) // num_stages > placement.num_active_pipelines:
-            if placement.num_active_pipelines < topology.num_pipelines:
+        if job is not None and job.layout.num_pipelines < topology.num_pipelines:
+            if len(ready) // num_stages > job.layout.num_pipelines:
                 restart()
 
     run.on_checkpoint = grow_at_checkpoint
@@ -560,23 +713,18 @@ def _simulate_checkpoint_restart(
         for node in removed:
             del ready[node]
         run.num_ready = len(ready)
-        if removed and placement is not None:
-            if any(placement.stages_of(node) for node in removed):
-                num_preemptions += 1
-                run.rollback()
-                restart()
-            else:
-                # Only idle nodes went: the running job does not notice.
-                plan = on_failure(placement, removed)
-                assert isinstance(plan, FailoverPlan) and not plan.owners_lost
-                placement = plan.placement
+        # Only the loss of a member stops the job; an idle node going changes nothing.
+        if removed and job is not None and any(n in job.slot_of for n in removed):
+            num_preemptions += 1
+            run.rollback()
+            restart()
         if arrived:
             for node in arrived:
                 ready[node] = None
             run.num_ready = len(ready)
-            if placement is None:
+            if job is None:
                 restart()
-        run.check(placement, removed, arrived)
+        run.check(job.slot_of if job is not None else {}, removed, arrived)
     return _finish(run, policy, trace.duration_s, cost_usd, (0, num_restarts, 0, num_preemptions))
 
 
