@@ -9,6 +9,7 @@ looks like a finished run.
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -51,12 +52,21 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         prepare_inputs(cfg)
         validate_recovery(cfg)
+        shared = cfg.spotline.checkpoints.dir
+        if shared and Path(shared).is_dir() and any(Path(shared).iterdir()):
+            # A restore must never read another job's checkpoint.
+            raise UserError(
+                f"checkpoints.dir {shared} already holds files from another run; "
+                "empty it or give this run its own directory"
+            )
     except UserError as exc:
         return fail(str(exc))
     output = Path(args.output or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
     output.mkdir(parents=True, exist_ok=True)
-    # A summary left by an earlier run in this directory must not pass for this run's.
+    # A summary left by an earlier run in this directory must not pass for this run's, nor
+    # may its checkpoints be restored by this run: the output directory is this run's now.
     (output / SUMMARY_NAME).unlink(missing_ok=True)
+    shutil.rmtree(output / "checkpoints", ignore_errors=True)
     resolved = output / "config.resolved.json"
     write_json_atomic(resolved, cfg.to_json())
 
@@ -161,10 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     build_train_parser(sub.add_parser("train", help="train on local worker processes"))
     sub.add_parser("simulate", help="cluster-scale simulator on spot traces", add_help=False)
     sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)", add_help=False)
+    sub.add_parser(
+        "calibrate", help="measure this machine's numbers for the simulator", add_help=False
+    )
     if argv and argv[0] == "simulate":
         from spotline.launch.simulate import main as simulate_main
 
         return simulate_main(argv[1:])
+    if argv and argv[0] == "calibrate":
+        from spotline.launch.calibrate import main as calibrate_main
+
+        return calibrate_main(argv[1:])
     if argv and argv[0] == "bench":
         from spotline.launch.bench import main as bench_main
 

@@ -582,7 +582,11 @@ class Coordinator:
                 key = f"report/{g}/{w}"
                 if w not in reports and self.store.check([key]):
                     reports[w] = json.loads(self.store.get(key).decode())
-                    first_report_t = first_report_t or self.now()
+                    if w in self._members():
+                        # Only a member's report means the generation has ended: a standby
+                        # reports at once and must not start the clock on the members,
+                        # who may rightly train for hours.
+                        first_report_t = first_report_t or self.now()
             waiting_on = [w for w in expected if self.workers[w].alive and w not in reports]
             if not waiting_on and expected:
                 break
@@ -855,6 +859,8 @@ class Coordinator:
             "train_wall_s": self.train_wall_s,
             "wall_s": wall,
             "step_time_s": times[len(times) // 2] if times else None,
+            # Each step's time as its last run measured it (None: never reported).
+            "step_times_s": [self.step_times.get(s) for s in range(steps)],
             "workers": self.cfg.num_workers,
             "stages": self.cfg.num_stages,
             "pipelines": self.cfg.num_pipelines,

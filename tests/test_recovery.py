@@ -220,3 +220,18 @@ def test_random_preemptions_complete_with_the_same_hash(spotline_train) -> None:
     assert disturbed["param_sha256"] == undisturbed["param_sha256"]
     # Every step's loss survives the workers that computed it.
     assert disturbed["losses"] == undisturbed["losses"]
+
+
+def test_a_long_generation_with_a_standby_is_not_taken_for_a_hang(spotline_train) -> None:
+    """A standby reports at once; only members' reports may start the hang clock. With the
+    clock started by the standby, both members were killed as "unresponsive" once the
+    generation outlived collective_timeout_s + 5 s (found replaying a trace at 30x)."""
+    config = small_config(
+        training={"steps": 300}, redundancy={"mode": "lazy"}, recovery={"collective_timeout_s": 3.0}
+    )
+    summary = spotline_train(config, "--workers", "2", "--stages", "2", "--inject", "add:2")
+    kinds = [event["kind"] for event in summary["events"]]
+    assert "unresponsive" not in kinds
+    assert summary["preemptions"] == 0 and summary["checkpoint_fallbacks"] == 0
+    # The standby really stood by through a generation longer than the hang limit.
+    assert summary["generations"] >= 2 and kinds.count("joined") == 1

@@ -128,6 +128,10 @@ class Calibration:
     models: tuple[ModelCalibration, ...]
     source: str
     sources: tuple[tuple[str, str], ...]
+    # A generation change in which a worker receives state it does not hold costs this much
+    # more than ``reconfigure_s`` (measured by spotline calibrate; Bamboo's reconfigure time
+    # already includes it, so its table leaves it out: 0).
+    state_transfer_s: float = 0.0
 
     def model(self, name: str) -> ModelCalibration:
         """The calibration of model ``name``; UserError naming the known models otherwise."""
@@ -222,4 +226,7 @@ def load_calibration(path: str | Path | None = None) -> Calibration:
         sources=tuple((str(k), str(v)) for k, v in sorted(sources.items()))
         if isinstance(sources, dict)
         else (),
+        state_transfer_s=_number(raw, "state_transfer_s", where)
+        if "state_transfer_s" in raw
+        else 0.0,
     )

@@ -53,6 +53,7 @@ from typing import ClassVar, Literal
 
 from spotline.plan.layout import (
     FatalLoss,
+    Holding,
     Layout,
     WorkerReport,
     initial_layout,
@@ -223,14 +224,23 @@ class PolicyResult:
 
 
 def membership_batches(
-    trace: Trace, node_ready_s: float
+    trace: Trace, node_ready_s: float, *, warm_pool: int = 0, initial_ready: bool = False
 ) -> list[tuple[float, list[str], list[str]]]:
     """The trace as the job sees it: ``(t_s, removed, ready)`` batches in time order.
 
     A node added at t becomes ready at ``t + node_ready_s`` unless it is removed first (then
     its removal is invisible to the job, except in the bill); within one instant removals
     come before arrivals. Only batches before the end of the trace are kept.
+
+    ``warm_pool`` processes started ahead (AWS calls them warm pools; the local launcher's
+    ``recovery.warm_workers``) make an arrival ready as soon as one of them has started; each
+    one taken is replaced by a new one that needs ``node_ready_s``. With ``initial_ready``
+    the nodes of the trace's first instant are ready at once (a local replay's clock starts
+    when its first workers have started).
     """
+    # When each warm process will have started (all of them at the start).
+    pool = [0.0] * warm_pool
+    first_t = trace.events[0].t_s if trace.events else 0.0
     removed_at: dict[tuple[str, int], float] = {}
     occurrence: dict[str, int] = {}
     adds: list[tuple[float, str, int]] = []
@@ -243,7 +253,14 @@ def membership_batches(
     # (time, 0 = remove / 1 = ready, sequence, node): sorting gives removals first.
     items: list[tuple[float, int, int, str]] = []
     for sequence, (t_s, node, nth) in enumerate(adds):
-        ready_t = t_s + node_ready_s
+        if initial_ready and t_s == first_t:
+            ready_t = t_s
+        elif pool:
+            soonest = min(range(len(pool)), key=pool.__getitem__)
+            ready_t = max(t_s, pool[soonest])
+            pool[soonest] = t_s + node_ready_s  # its replacement starts now
+        else:
+            ready_t = t_s + node_ready_s
         removed_t = removed_at.get((node, nth), math.inf)
         if ready_t < removed_t and ready_t < trace.duration_s:
             items.append((ready_t, 1, sequence, node))
@@ -479,9 +496,10 @@ class _Plan:
     kept: tuple[tuple[Slot, Slot], ...]
     joined: tuple[tuple[Slot, int], ...]
     shape: Layout  # the layout with members named after their slots, no standbys
+    moves_state: bool  # some member must receive a stage it does not hold
 
     @staticmethod
-    def of(layout: Layout) -> _Plan:
+    def of(layout: Layout, held: dict[str, tuple[Holding, ...]] | None = None) -> _Plan:
         kept: list[tuple[Slot, Slot]] = []
         joined: list[tuple[Slot, int]] = []
         for p, row in enumerate(layout.slots):
@@ -491,7 +509,12 @@ class _Plan:
                     kept.append(((p, i), (int(old_p), int(old_i))))
                 else:
                     joined.append(((p, i), int(name[1:])))
-        return _Plan(layout, tuple(kept), tuple(joined), _canonical(layout))
+        moves = held is not None and any(
+            not set(layout.groups[i]) <= {h.stage for h in held.get(name, ())}
+            for row in layout.slots
+            for i, name in enumerate(row)
+        )
+        return _Plan(layout, tuple(kept), tuple(joined), _canonical(layout), moves)
 
     def place(self, last: dict[Slot, str], idle: Sequence[str]) -> dict[Slot, str]:
         """The real node on each slot, given the last layout's and the idle nodes."""
@@ -558,7 +581,7 @@ class _RuntimePlanner:
             if isinstance(result, FatalLoss):
                 self._plans[key] = result
             else:
-                self._plans[key] = None if result.layout is None else _Plan.of(result.layout)
+                self._plans[key] = None if result.layout is None else _Plan.of(result.layout, held)
         return self._plans[key]
 
 
@@ -635,7 +658,8 @@ def _simulate_spotline(
             run.set_layout(None)  # too few nodes: wait, the survivors keep the state
         else:
             state, lost = _Members(result, state.by_slot, idle), set()
-            run.pause("reconfigure", reconfigure_s)
+            transfer_s = config.calibration.state_transfer_s if result.moves_state else 0.0
+            run.pause("reconfigure", reconfigure_s + transfer_s)
             run.set_layout(state.layout)
 
     for t_s, removed, arrived in batches:

@@ -1,0 +1,82 @@
+"""The simulator against reality: predict the goodput of a local trace replay.
+
+A local replay (``spotline train --trace T --time-scale X --max-workers M``) plays trace T,
+scaled to at most M nodes by :func:`spotline.plan.traces.scale_trace`, X times faster than
+it was recorded, from the moment its first workers have started. :func:`predict_replay`
+replays the same scaled trace through :func:`spotline.sim.engine.simulate` in wall seconds
+(trace times divided by X) with a calibration measured on the same machine by ``spotline
+calibrate``, and the ``spotline-rigid`` policy, which is what the runtime executes today
+(data parallelism fixed, stages folded onto fewer workers after a loss).
+
+The local run trains a fixed number of steps in ``train_wall_s`` seconds from its first
+step; the prediction is the samples the simulator commits over the same training window,
+divided by its length. The replay's first workers are ready when its clock starts; later
+arrivals take one of the ``recovery.warm_workers`` processes started ahead (ready once it
+has started) or start cold (``node_ready_s``), as the local launcher does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from spotline.plan.traces import Trace, TraceEvent, scale_trace
+from spotline.sim.calibration import Calibration
+from spotline.sim.engine import PolicyResult, SimConfig, membership_batches, simulate
+
+
+@dataclass(frozen=True)
+class ReplayPrediction:
+    """The simulator's view of a local replay: its goodput and the run it simulated."""
+
+    goodput_samples_per_s: float
+    window_s: float
+    result: PolicyResult
+
+
+def wall_clock_trace(trace: Trace, *, max_workers: int, time_scale: float) -> Trace:
+    """``trace`` as a local replay plays it: scaled to ``max_workers`` nodes, its first
+    instant at 0 and every time divided by ``time_scale``."""
+    if time_scale <= 0:
+        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    scaled = scale_trace(trace, max_workers)
+    start = scaled.events[0].t_s if scaled.events else 0.0
+    return Trace(
+        tuple(TraceEvent((e.t_s - start) / time_scale, e.kind, e.node) for e in scaled.events),
+        (scaled.duration_s - start) / time_scale,
+        f"{scaled.source} at {time_scale:g}x",
+    )
+
+
+def predict_replay(
+    trace: Trace,
+    calibration: Calibration,
+    *,
+    model: str,
+    num_workers: int,
+    max_workers: int,
+    time_scale: float,
+    train_wall_s: float,
+    checkpoint_interval_steps: int,
+    warm_workers: int,
+) -> ReplayPrediction:
+    """The goodput the simulator predicts for a local replay that trained for
+    ``train_wall_s`` seconds on ``num_workers`` configured workers (``stages x pipelines``)."""
+    model_cal = calibration.model(model)
+    wall = wall_clock_trace(trace, max_workers=max_workers, time_scale=time_scale)
+    # The local clock starts with the first step; the simulator's first start pays a
+    # rendezvous before it. Simulate that much longer and count the same training window.
+    horizon = calibration.fatal_rendezvous_s + train_wall_s
+    events = tuple(e for e in wall.events if e.t_s <= horizon)
+    window = Trace(events, horizon, wall.source)
+    step_s = model_cal.step_time_s(num_workers // model_cal.num_stages, False)
+    config = SimConfig(
+        calibration,
+        model_cal,
+        num_workers,
+        spotline_checkpoint_interval_s=max(1e-3, checkpoint_interval_steps * step_s),
+    )
+    batches = membership_batches(
+        window, calibration.node_ready_s, warm_pool=warm_workers, initial_ready=True
+    )
+    result = simulate(window, "spotline-rigid", config, batches=batches)
+    return ReplayPrediction(result.committed_samples / train_wall_s, train_wall_s, result)

@@ -1,0 +1,286 @@
+"""``spotline calibrate``: measure this machine's numbers for the simulator.
+
+Five short ``spotline train`` runs of the same job (``--stages S --workers W``), one after
+the other, each measuring what the simulator's calibration table needs:
+
+1. steady: the mean step time (the first two steps, warm-up, left out);
+2. checkpointing: the same with a checkpoint every step; the extra time is the save cost;
+3. failover: the last worker is killed a third of the way in, with no spare, so the
+   planner folds stages onto fewer workers: the recovery time (a generation change, the
+   simulator's ``reconfigure_s``) and the step time of the folded (degraded) layout;
+4. failover onto a spare: one worker arrives as a standby, then the last worker is killed;
+   the standby receives the lost stage's state: the extra time over a generation change
+   is ``state_transfer_s``;
+5. fatal loss: W workers arrive as standbys (their start-up is ``node_ready_s``), then every
+   member is killed at once, two thirds of the way in: the restore from the last
+   checkpoint (``checkpoint_load_s`` on top of a generation change).
+
+The result is a calibration table (the format of ``spotline/assets/calibration-bamboo.json``)
+with one model, ``local``, in wall seconds of this machine; prices are the default table's.
+``spotline simulate --calibration FILE --model local`` and the replay validation
+(:mod:`spotline.sim.validate`) read it.
+
+    spotline calibrate --stages 2 --workers 2 --steps 30 --output calibration.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from statistics import median
+from typing import Any, NoReturn
+
+from spotline.errors import UserError
+from spotline.launch.bench import (
+    BenchSettings,
+    RunFailed,
+    machine_info,
+    progress,
+    resolve_base_config,
+    run_spotline_train,
+    write_config,
+)
+
+EXIT_USAGE = 2
+WARMUP_STEPS = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"calibrate: {message}; see spotline calibrate --help")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="spotline calibrate", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="base config (default: the built-in one)")
+    parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument("--steps", type=int, default=30, help="steps per run (default 30)")
+    parser.add_argument("--output", required=True, help="calibration JSON to write")
+    parser.add_argument(
+        "--runs", default="runs/calibrate", help="where the runs' files go (default runs/calibrate)"
+    )
+    return parser
+
+
+def _steady_mean(times: list[float | None], first: int) -> float:
+    """The mean step time from step ``first`` on, warm-up excluded: the mean, not the
+    median, because a run's length is the sum of its steps, slow ones included."""
+    kept = [t for t in times[max(first, WARMUP_STEPS) :] if t is not None]
+    if not kept:
+        raise RunFailed("no step times were reported; see the run's logs", 1)
+    return sum(kept) / len(kept)
+
+
+def _event_times(summary: dict[str, Any], kind: str) -> list[tuple[float, dict[str, Any]]]:
+    return [(e["t_s"], e) for e in summary["events"] if e["kind"] == kind]
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the four jobs; the measured numbers (wall seconds)."""
+    stages, workers, steps = args.stages, args.workers, args.steps
+    if stages < 1 or workers < 1 or workers % stages:
+        raise UserError(
+            f"--workers {workers} must be a positive multiple of --stages {stages}; "
+            "e.g. --stages 2 --workers 2"
+        )
+    if steps < 12:
+        raise UserError(f"--steps {steps} is too short to measure; use 12 or more")
+    runs = Path(args.runs)
+    settings = BenchSettings(steps=steps, repeats=1, output=runs, config=args.config)
+    base = resolve_base_config(
+        settings,
+        {
+            "spotline.topology.workers": workers,
+            "spotline.topology.stages": stages,
+            "spotline.redundancy.mode": "lazy",
+        },
+    )
+    runs.mkdir(parents=True, exist_ok=True)
+    config = write_config(base, runs / "config.json")
+    topology = ["--workers", str(workers), "--stages", str(stages)]
+    kill_at = steps // 3
+
+    progress("calibrate 1/5: steady")
+    steady = run_spotline_train(config, runs / "steady", [*topology, "--checkpoint-interval", "0"])
+    step_time = _steady_mean(steady["step_times_s"], 0)
+
+    progress("calibrate 2/5: checkpointing every step")
+    saving = run_spotline_train(
+        config, runs / "checkpoint", [*topology, "--checkpoint-interval", "1"]
+    )
+    save_s = max(0.0, _steady_mean(saving["step_times_s"], 0) - step_time)
+
+    progress("calibrate 3/5: failover without a spare")
+    failover = run_spotline_train(
+        config,
+        runs / "failover",
+        [*topology, "--checkpoint-interval", "0", "--inject", f"kill:{kill_at}:{workers - 1}"],
+    )
+    recoveries = [e["recovery_s"] for e in failover["recovery_events"]]
+    if not recoveries:
+        raise RunFailed("the failover run recorded no recovery; see its logs", 1)
+    reconfigure_s = float(median(recoveries))
+    degraded_step = _steady_mean(failover["step_times_s"], kill_at + 2)
+
+    progress("calibrate 4/5: failover onto a spare")
+    spare = run_spotline_train(
+        config,
+        runs / "spare",
+        [
+            *topology,
+            "--checkpoint-interval",
+            "0",
+            "--inject",
+            "add:1",
+            "--inject",
+            f"kill:{kill_at}:{workers - 1}",
+        ],
+    )
+    if not spare["recovery_events"]:
+        raise RunFailed("the failover-onto-a-spare run recorded no recovery; see its logs", 1)
+    transfer_s = max(0.0, float(spare["recovery_events"][-1]["recovery_s"]) - reconfigure_s)
+
+    progress("calibrate 5/5: arrivals, then a fatal loss")
+    # Late enough that checkpoints were committed (the coordinator commits them as it polls).
+    fatal_at = 2 * steps // 3
+    interval = max(2, steps // 6)
+    fatal_flags = [*topology, "--checkpoint-interval", str(interval)]
+    for _ in range(workers):
+        fatal_flags += ["--inject", "add:1"]
+    for worker in range(workers):
+        fatal_flags += ["--inject", f"kill:{fatal_at}:{worker}"]
+    fatal = run_spotline_train(config, runs / "fatal", fatal_flags)
+    arrived = {e["worker"]: t for t, e in _event_times(fatal, "arrived")}
+    joined = [
+        t - arrived[e["worker"]] for t, e in _event_times(fatal, "joined") if e["worker"] in arrived
+    ]
+    if not joined:
+        raise RunFailed("the arrivals never joined; see the fatal run's logs", 1)
+    falls = _event_times(fatal, "checkpoint-fallback")
+    if not falls or not fatal["recovery_events"]:
+        raise RunFailed(
+            "the fatal-loss run restored no checkpoint (none was committed in time); "
+            "use more --steps",
+            1,
+        )
+    restore_s = float(fatal["recovery_events"][-1]["recovery_s"])
+    return {
+        "stages": stages,
+        "workers": workers,
+        "pipelines": workers // stages,
+        "steps": steps,
+        "samples_per_step": steady["micro_batch_size"]
+        * steady["micro_batches"]
+        * steady["pipelines"],
+        "step_time_s": step_time,
+        "degraded_step_time_s": degraded_step,
+        "checkpoint_save_s": save_s,
+        "reconfigure_s": reconfigure_s,
+        "state_transfer_s": transfer_s,
+        "restore_s": restore_s,
+        "node_ready_s": float(median(joined)),
+        "checkpoint_interval_steps": interval,
+        "param_sha256": steady["param_sha256"],
+        "model": steady["model"],
+    }
+
+
+def calibration_table(measured: dict[str, Any]) -> dict[str, Any]:
+    """The measured numbers as a calibration table (one model, ``local``)."""
+    from spotline.sim.calibration import DEFAULT_CALIBRATION_PATH
+
+    default = json.loads(DEFAULT_CALIBRATION_PATH.read_text(encoding="utf-8"))
+    stages, pipelines = measured["stages"], measured["pipelines"]
+    step = measured["step_time_s"]
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return {
+        "description": (
+            f"Measured by spotline calibrate on this machine ({when}): {measured['model']}, "
+            f"{stages} stages x {pipelines} pipelines, wall seconds; prices from the default table."
+        ),
+        "sources": {
+            "measured": "spotline calibrate: five short spotline train runs (see launch/calibrate.py)",
+            "prices": "copied from spotline/assets/calibration-bamboo.json",
+        },
+        "spot_price_per_node_hour": default["spot_price_per_node_hour"],
+        "on_demand_price_per_node_hour": default["on_demand_price_per_node_hour"],
+        "node_ready_s": round(measured["node_ready_s"], 4),
+        # A (re)start from nothing is a generation change; a restore adds the checkpoint read.
+        "fatal_rendezvous_s": round(measured["reconfigure_s"], 4),
+        "reconfigure_s": round(measured["reconfigure_s"], 4),
+        "state_transfer_s": round(measured["state_transfer_s"], 4),
+        "degraded_slowdown": round(measured["degraded_step_time_s"] / step, 4),
+        "preemption_notice_s": default["preemption_notice_s"],
+        "spotline_checkpoint_interval_s": round(measured["checkpoint_interval_steps"] * step, 4),
+        "models": {
+            "local": {
+                "num_stages": stages,
+                "samples_per_step": measured["samples_per_step"],
+                "checkpoint_save_s": round(measured["checkpoint_save_s"], 4),
+                "checkpoint_load_s": round(
+                    max(0.0, measured["restore_s"] - measured["reconfigure_s"]), 4
+                ),
+                "step_times": [
+                    {
+                        "num_stages": stages,
+                        "num_pipelines": pipelines,
+                        "degraded": False,
+                        "step_time_s": round(step, 5),
+                    },
+                    {
+                        "num_stages": stages,
+                        "num_pipelines": pipelines,
+                        "degraded": True,
+                        "step_time_s": round(measured["degraded_step_time_s"], 5),
+                    },
+                ],
+            }
+        },
+        "measured": measured,
+        "machine": machine_info(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """0 on success, 2 on bad input, 1 when a measured run failed."""
+    from spotline.launch.cli import fail
+    from spotline.sim.calibration import load_calibration
+    from spotline.tracking import write_json_atomic
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help
+        return int(exc.code or 0)
+    except UserError as exc:
+        return fail(str(exc))
+    try:
+        table = calibration_table(measure(args))
+    except UserError as exc:
+        return fail(str(exc))
+    except RunFailed as exc:
+        if exc.exit_code == EXIT_USAGE:
+            return fail(str(exc))
+        print(f"spotline: calibrate failed: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    output = Path(args.output)
+    write_json_atomic(output, table)
+    load_calibration(output)  # what was written is a valid table
+    m = table["measured"]
+    print(
+        f"spotline: calibrated {m['stages']} stages x {m['pipelines']} pipelines: "
+        f"step {m['step_time_s'] * 1e3:.1f} ms (folded {m['degraded_step_time_s'] * 1e3:.1f} ms), "
+        f"generation change {m['reconfigure_s']:.2f} s (+{m['state_transfer_s']:.2f} s moving "
+        f"state), restore {m['restore_s']:.2f} s, "
+        f"worker start-up {m['node_ready_s']:.2f} s, checkpoint save {m['checkpoint_save_s'] * 1e3:.1f} ms"
+    )
+    print(f"calibration: {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
