@@ -18,6 +18,7 @@ has started) or start cold (``node_ready_s``), as the local launcher does.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from spotline.plan.traces import Trace, TraceEvent, scale_trace
 from spotline.sim.calibration import Calibration
@@ -80,3 +81,30 @@ def predict_replay(
     )
     result = simulate(window, "spotline-rigid", config, batches=batches)
     return ReplayPrediction(result.committed_samples / train_wall_s, train_wall_s, result)
+
+
+def replay_record(summary: dict[str, Any], resolved_config: dict[str, Any]) -> dict[str, Any]:
+    """What a prediction needs of a finished local replay (its ``summary.json`` and
+    ``config.resolved.json``), with the measured goodput, as tests/data keeps it."""
+    spotline = resolved_config["spotline"]
+    recovery = spotline["recovery"]
+    if not recovery.get("trace"):
+        raise ValueError("the run replayed no trace (recovery.trace is empty)")
+    return {
+        "trace": recovery["trace"].replace("\\", "/").rsplit("/", 1)[-1],
+        "time_scale": recovery["time_scale"],
+        "trace_clock": recovery["trace_clock"],
+        "max_workers": recovery["max_workers"] or summary["workers"],
+        "warm_workers": recovery["warm_workers"],
+        "workers": summary["workers"],
+        "stages": summary["stages"],
+        "steps": summary["steps"],
+        "checkpoint_interval_steps": summary["checkpoint_interval_steps"],
+        "train_wall_s": summary["train_wall_s"],
+        "goodput_samples_per_s": summary["goodput_samples_per_s"],
+        "preemptions": summary["preemptions"],
+        "recoveries": summary["recoveries"],
+        "checkpoint_fallbacks": summary["checkpoint_fallbacks"],
+        "steps_redone": summary["steps_redone"],
+        "param_sha256": summary["param_sha256"],
+    }

@@ -1,0 +1,110 @@
+"""The simulator against a recorded local trace replay, and `spotline calibrate`.
+
+tests/data/replay-validation holds a real run recorded on a 2-core machine: the calibration
+`spotline calibrate` measured there, and the summary of a `spotline train --trace` replay
+on the same machine (the command is in replay.json). The simulator, given only the
+calibration and the replay's settings, must predict the replay's goodput within 15%.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import run_spotline
+
+from spotline.plan.traces import load_trace
+from spotline.sim.calibration import load_calibration
+from spotline.sim.validate import predict_replay, wall_clock_trace
+
+DATA = Path(__file__).parent / "data" / "replay-validation"
+
+
+def recorded() -> dict:
+    return json.loads((DATA / "replay.json").read_text())
+
+
+def test_the_simulator_predicts_a_recorded_local_replay_within_15_percent() -> None:
+    run = recorded()
+    trace = load_trace(DATA / run["trace"])
+    prediction = predict_replay(
+        trace,
+        load_calibration(DATA / "calibration.json"),
+        model="local",
+        num_workers=run["workers"],
+        max_workers=run["max_workers"],
+        time_scale=run["time_scale"],
+        train_wall_s=run["train_wall_s"],
+        checkpoint_interval_steps=run["checkpoint_interval_steps"],
+        warm_workers=run["warm_workers"],
+    )
+    measured = run["goodput_samples_per_s"]
+    error = prediction.goodput_samples_per_s / measured - 1
+    assert abs(error) <= 0.15, (prediction.goodput_samples_per_s, measured, prediction.result)
+    # The simulated run met the same kinds of events as the real one.
+    assert prediction.result.num_preemptions > 0
+    assert (prediction.result.num_fatal_failures > 0) == (run["checkpoint_fallbacks"] > 0)
+
+
+def test_wall_clock_trace_is_the_replay_the_coordinator_plays() -> None:
+    from spotline.plan.chaos import replay_trace
+
+    run = recorded()
+    trace = load_trace(DATA / run["trace"])
+    wall = wall_clock_trace(trace, max_workers=run["max_workers"], time_scale=run["time_scale"])
+    replay = replay_trace(
+        trace, max_workers=run["max_workers"], time_scale=run["time_scale"], removal="kill"
+    )
+    initial = sum(1 if e.kind == "add" else -1 for e in wall.events if e.t_s == 0)
+    assert initial == replay.initial_workers
+    later = [(e.t_s, e.kind) for e in wall.events if e.t_s > 0]
+    timed = [(ev.at_s, ev.kind) for ev in replay.events for _ in range(ev.count)]
+    assert sorted(later) == sorted(timed)
+    assert wall.duration_s == pytest.approx(replay.duration_s)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_calibrate_measures_this_machine(tmp_path: Path) -> None:
+    out = tmp_path / "calibration.json"
+    proc = run_spotline(
+        [
+            "calibrate",
+            "--stages",
+            "2",
+            "--workers",
+            "2",
+            "--steps",
+            "18",
+            "--output",
+            str(out),
+            "--runs",
+            str(tmp_path / "runs"),
+        ],
+        timeout=580,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = load_calibration(out)
+    model = table.model("local")
+    assert model.num_stages == 2
+    rows = {row.degraded: row.step_time_s for row in model.step_times}
+    assert rows[False] > 0 and rows[True] > 0
+    assert table.reconfigure_s > 0 and table.node_ready_s > 0
+    assert model.checkpoint_load_s >= 0
+    measured = json.loads(out.read_text())["measured"]
+    assert measured["restore_s"] > 0 and measured["state_transfer_s"] >= 0
+    assert table.state_transfer_s == round(measured["state_transfer_s"], 4)
+    assert measured["param_sha256"]
+
+
+def test_calibrate_rejects_a_bad_topology(tmp_path: Path) -> None:
+    out = tmp_path / "calibration.json"
+    proc = run_spotline(
+        ["calibrate", "--stages", "2", "--workers", "3", "--output", str(out)], timeout=60
+    )
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("spotline: error:")]
+    assert len(errors) == 1 and "--workers 3" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not out.exists()
