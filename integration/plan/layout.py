@@ -179,12 +179,13 @@ def committed_state(
     if not versions:
         return FatalLoss(tuple(range(num_stages)), "no worker holds any state")
     committed = max(versions)
-    usable: dict[int, list[str]] = {s: [] for s in range(num_stages)}
+    # Holders in report order (a dict as an ordered set: a worker reports a stage once).
+    holders: dict[int, dict[str, None]] = {s: {} for s in range(num_stages)}
     for report in reports:
         for h in report.holdings:
             if h.version == committed or (h.version == committed - 1 and h.ready):
-                if report.worker not in usable[h.stage]:
-                    usable[h.stage].append(report.worker)
+                holders[h.stage][report.worker] = None
+    usable = {s: list(ws) for s, ws in holders.items()}
     lost = tuple(s for s, holders in usable.items() if not holders)
     if lost:
         return FatalLoss(lost, f"no live worker holds stage(s) {list(lost)} at step {committed}")
@@ -217,12 +218,6 @@ def choose_layout(
     return best[1]
 
 
-def _missing(worker: str, group: Sequence[int], usable: dict[int, list[str]]) -> int:
-    if not usable:
-        return 0  # generation 0: every worker builds the initial weights itself
-    return sum(1 for s in group if worker not in usable[s])
-
-
 def _assign(
     num_stages: int,
     num_pipelines: int,
@@ -231,46 +226,50 @@ def _assign(
     previous: dict[str, tuple[int, int] | None],
     usable: dict[int, list[str]],
 ) -> tuple[Layout, int]:
-    free = list(workers)
+    # Indexed so that a plan for a thousand workers takes milliseconds (the simulator plans
+    # clusters of that size); the choices are the module rules' exactly.
     order = {w: i for i, w in enumerate(workers)}
+    free = dict.fromkeys(workers)  # insertion-ordered set: the standbys, in worker order
+    held = {s: set(ws) for s, ws in usable.items()}
+
+    def missing(w: str, group: tuple[int, ...]) -> int:
+        # Generation 0 (nothing usable yet): every worker builds the initial weights itself.
+        return sum(1 for s in group if w not in held[s]) if usable else 0
+
+    by_previous = {slot: w for w, slot in previous.items() if slot is not None}
     slots: list[list[str]] = [[""] * len(groups) for _ in range(num_pipelines)]
     cost = 0
     # A worker that can stay where it was, holding everything its slot needs, stays: a greedy
     # pass alone could hand its slot to another worker and move it, costing two transfers.
     for stage_idx, group in enumerate(groups):
         for pipeline in range(num_pipelines):
-            stayer = next(
-                (
-                    w
-                    for w in free
-                    if previous.get(w) == (pipeline, stage_idx) and _missing(w, group, usable) == 0
-                ),
-                None,
-            )
-            if stayer is not None:
-                free.remove(stayer)
+            stayer = by_previous.get((pipeline, stage_idx))
+            if stayer is not None and stayer in free and missing(stayer, group) == 0:
+                del free[stayer]
                 slots[pipeline][stage_idx] = stayer
     for stage_idx, group in enumerate(groups):
+        # Every other slot takes the free worker that lacks the fewest of the group's stages,
+        # preferring the one that ran this slot before, then worker order: the best of the
+        # first free worker by (missing, order) and the slot's previous worker.
+        costs = {w: (missing(w, group), order[w]) for w in free}
+        ranked = sorted(costs, key=costs.__getitem__)
+        cursor = 0
         for pipeline in range(num_pipelines):
             if slots[pipeline][stage_idx]:
                 continue
-
-            def rank(
-                w: str,
-                pipeline: int = pipeline,
-                stage_idx: int = stage_idx,
-                group: tuple[int, ...] = group,
-            ) -> tuple[int, int, int]:
-                return (
-                    _missing(w, group, usable),
-                    0 if previous.get(w) == (pipeline, stage_idx) else 1,
-                    order[w],
-                )
-
-            chosen = min(free, key=rank)
-            free.remove(chosen)
+            while ranked[cursor] not in free:
+                cursor += 1
+            chosen = ranked[cursor]
+            before = by_previous.get((pipeline, stage_idx))
+            if (
+                before is not None
+                and before in free
+                and missing(before, group) <= missing(chosen, group)
+            ):
+                chosen = before
+            del free[chosen]
             slots[pipeline][stage_idx] = chosen
-            cost += _missing(chosen, group, usable)
+            cost += missing(chosen, group)
     # Every stage must have a source among the members (standbys are outside the group).
     members = {w for row in slots for w in row}
     for stage in range(num_stages):
@@ -278,10 +277,10 @@ def _assign(
             holder = next(w for w in usable[stage] if w in free)
             worst = max(
                 ((p, i) for p in range(num_pipelines) for i in range(len(groups))),
-                key=lambda pi: _missing(slots[pi[0]][pi[1]], groups[pi[1]], usable),
+                key=lambda pi: missing(slots[pi[0]][pi[1]], groups[pi[1]]),
             )
-            free.append(slots[worst[0]][worst[1]])
-            free.remove(holder)
+            free[slots[worst[0]][worst[1]]] = None
+            del free[holder]
             slots[worst[0]][worst[1]] = holder
             members = {w for row in slots for w in row}
             cost += num_stages  # a forced swap is never preferred over a clean layout
@@ -318,7 +317,8 @@ def plan_generation(
             f"{len(reports)} live worker(s), fewer than the {num_pipelines} pipelines need: waiting",
         )
     members = layout.members
+    held = {stage: set(ws) for stage, ws in usable.items()}
     sources = tuple(
-        (stage, next(w for w in members if w in usable[stage])) for stage in range(num_stages)
+        (stage, next(w for w in members if w in held[stage])) for stage in range(num_stages)
     )
     return GenerationPlan(generation, layout, committed, sources, "recovered")
