@@ -54,6 +54,7 @@ from spotline.plan.layout import (
 from spotline.plan.traces import load_trace
 from spotline.report import Timeline, summarize_recoveries
 
+THROUGHPUT_EVERY_S = 1.0
 POLL_S = 0.02
 
 
@@ -129,14 +130,16 @@ class Coordinator:
         self.initial_ids: list[str] = []
         self.worker_stats: dict[str, dict[str, Any]] = {}
         self.shown_progress = 0
+        self.rate_mark: tuple[float, int] | None = None  # (time, step) of the last rate row
+        self.best_progress = 0  # the furthest step ever started: redone steps are not new
         self.last_commit_check = 0.0
 
     # -- time and events --------------------------------------------------------------
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    def _event(self, kind: str, **detail: Any) -> None:
-        self.events.append(Event(self.now(), kind, detail))
+    def _placement(self) -> dict[str, str]:
+        """What each live worker does now, for the timeline ("p0:s1", "standby", "joining")."""
         placement = {}
         if self.layout is not None:
             for w in self.live_ids():
@@ -145,12 +148,16 @@ class Coordinator:
                     if w in self.layout.members or w in self.layout.standby
                     else "joining"
                 )
+        return placement
+
+    def _event(self, kind: str, **detail: Any) -> None:
+        self.events.append(Event(self.now(), kind, detail))
         self.timeline.record(
             self.now(),
             kind,
             self.max_progress(),
             len(self.live_ids()),
-            placement,
+            self._placement(),
             None,
             ";".join(f"{k}:{v}" for k, v in detail.items()).replace("=", ":"),
         )
@@ -509,6 +516,32 @@ class Coordinator:
             return []
         return list(self.layout.members)
 
+    def _record_throughput(self) -> None:
+        """A timeline row of committed samples/s every ``THROUGHPUT_EVERY_S`` (0 while the
+        job waits or redoes steps it had already trained: they add nothing new)."""
+        now = self.now()
+        if self.rate_mark is None:
+            self.rate_mark = (now, self.max_progress())
+            return
+        since, step = self.rate_mark
+        if now - since < THROUGHPUT_EVERY_S:
+            return
+        progress = self.max_progress()
+        new_steps = max(0, progress - max(step, self.best_progress))
+        self.best_progress = max(self.best_progress, progress, step)
+        samples = new_steps * self.cfg.micro_batch_size * self.cfg.num_micro_batches
+        samples *= self.cfg.num_pipelines
+        self.timeline.record(
+            now,
+            "throughput",
+            progress,
+            len(self.live_ids()),
+            self._placement(),
+            samples / (now - since),
+            "",
+        )
+        self.rate_mark = (now, progress)
+
     def _show_progress(self) -> None:
         """A line every tenth of the run (the coordinator is the one process at the terminal)."""
         if not self.sl.tracking.progress:
@@ -522,6 +555,7 @@ class Coordinator:
     def _wait_for_joiners(self) -> list[str]:
         """Block until a started worker has joined (trace arrivals, replacements)."""
         while True:
+            self._record_throughput()
             self._poll_processes()
             self._deliver_timed_events()
             self._deliver_step_injections()
@@ -564,6 +598,7 @@ class Coordinator:
             self._deliver_step_injections()
             self._admit_joiners()
             self._show_progress()
+            self._record_throughput()
             if time.monotonic() - self.last_commit_check > 0.5:
                 # Checkpoints are committed while a generation runs, not only when it ends.
                 self.last_commit_check = time.monotonic()

@@ -222,7 +222,9 @@ def test_random_preemptions_complete_with_the_same_hash(spotline_train) -> None:
     assert disturbed["losses"] == undisturbed["losses"]
 
 
-def test_a_long_generation_with_a_standby_is_not_taken_for_a_hang(spotline_train) -> None:
+def test_a_long_generation_with_a_standby_is_not_taken_for_a_hang(
+    spotline_train, tmp_path: Path
+) -> None:
     """A standby reports at once; only members' reports may start the hang clock. With the
     clock started by the standby, both members were killed as "unresponsive" once the
     generation outlived collective_timeout_s + 5 s (found replaying a trace at 30x)."""
@@ -235,3 +237,7 @@ def test_a_long_generation_with_a_standby_is_not_taken_for_a_hang(spotline_train
     assert summary["preemptions"] == 0 and summary["checkpoint_fallbacks"] == 0
     # The standby really stood by through a generation longer than the hang limit.
     assert summary["generations"] >= 2 and kinds.count("joined") == 1
+    # The timeline's throughput: a committed samples/s row about every second of training.
+    rows = (tmp_path / "run" / "timeline.csv").read_text().splitlines()
+    rates = [float(r.split(",")[5]) for r in rows[1:] if r.split(",")[1] == "throughput"]
+    assert len(rates) >= 3 and max(rates) > 0
