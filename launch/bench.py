@@ -788,18 +788,38 @@ def fail(message: str) -> int:
     return EXIT_USAGE
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one benchmark; 0 on success, 2 on bad input, 1 when a benchmarked job failed."""
-    from spotline.tracking import write_json_atomic
-
-    argv = list(sys.argv[1:] if argv is None else argv)
+def run_guarded(
+    name: str,
+    parser: argparse.ArgumentParser,
+    argv: list[str],
+    work: Callable[[argparse.Namespace], int],
+) -> int:
+    """Parse ``argv`` and run ``work``: exit 2 with one line for a user mistake (in the
+    arguments or in a job they started), 1 when a measured job failed."""
     try:
-        args = build_parser().parse_args(argv)
+        args = parser.parse_args(argv)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except UserError as exc:
         return fail(str(exc))
     try:
+        return work(args)
+    except UserError as exc:
+        return fail(str(exc))
+    except RunFailed as exc:
+        if exc.exit_code == EXIT_USAGE:
+            return fail(str(exc))
+        print(f"spotline: {name} failed: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one benchmark; 0 on success, 2 on bad input, 1 when a benchmarked job failed."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def work(args: argparse.Namespace) -> int:
+        from spotline.tracking import write_json_atomic
+
         settings = settings_from_args(args)
         if args.bench == "foundation":
             report = bench_foundation(settings)
@@ -810,19 +830,14 @@ def main(argv: list[str] | None = None) -> int:
         else:
             report = bench_redundancy(settings, parse_cases(args.cases))
             table = format_redundancy(report)
-    except UserError as exc:
-        return fail(str(exc))
-    except RunFailed as exc:
-        if exc.exit_code == EXIT_USAGE:
-            return fail(str(exc))
-        print(f"spotline: bench failed: {exc}", file=sys.stderr, flush=True)
-        return exc.exit_code
-    report["command"] = ["spotline", "bench", *argv]
-    path = settings.output / f"bench-{report['bench']}.json"
-    write_json_atomic(path, report)
-    print(table)
-    print(f"\nresults: {path}", flush=True)
-    return 0
+        report["command"] = ["spotline", "bench", *argv]
+        path = settings.output / f"bench-{report['bench']}.json"
+        write_json_atomic(path, report)
+        print(table)
+        print(f"\nresults: {path}", flush=True)
+        return 0
+
+    return run_guarded("bench", build_parser(), argv, work)
 
 
 if __name__ == "__main__":

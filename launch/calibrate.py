@@ -40,11 +40,11 @@ from spotline.launch.bench import (
     machine_info,
     progress,
     resolve_base_config,
+    run_guarded,
     run_spotline_train,
     write_config,
 )
 
-EXIT_USAGE = 2
 WARMUP_STEPS = 2
 
 
@@ -247,39 +247,30 @@ def calibration_table(measured: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """0 on success, 2 on bad input, 1 when a measured run failed."""
-    from spotline.launch.cli import fail
-    from spotline.sim.calibration import load_calibration
-    from spotline.tracking import write_json_atomic
-
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = build_parser().parse_args(argv)
-    except SystemExit as exc:  # --help
-        return int(exc.code or 0)
-    except UserError as exc:
-        return fail(str(exc))
-    try:
+
+    def work(args: argparse.Namespace) -> int:
+        from spotline.sim.calibration import load_calibration
+        from spotline.tracking import write_json_atomic
+
         table = calibration_table(measure(args))
-    except UserError as exc:
-        return fail(str(exc))
-    except RunFailed as exc:
-        if exc.exit_code == EXIT_USAGE:
-            return fail(str(exc))
-        print(f"spotline: calibrate failed: {exc}", file=sys.stderr, flush=True)
-        return exc.exit_code
-    output = Path(args.output)
-    write_json_atomic(output, table)
-    load_calibration(output)  # what was written is a valid table
-    m = table["measured"]
-    print(
-        f"spotline: calibrated {m['stages']} stages x {m['pipelines']} pipelines: "
-        f"step {m['step_time_s'] * 1e3:.1f} ms (folded {m['degraded_step_time_s'] * 1e3:.1f} ms), "
-        f"generation change {m['reconfigure_s']:.2f} s (+{m['state_transfer_s']:.2f} s moving "
-        f"state), restore {m['restore_s']:.2f} s, "
-        f"worker start-up {m['node_ready_s']:.2f} s, checkpoint save {m['checkpoint_save_s'] * 1e3:.1f} ms"
-    )
-    print(f"calibration: {output}")
-    return 0
+        output = Path(args.output)
+        write_json_atomic(output, table)
+        load_calibration(output)  # what was written is a valid table
+        m = table["measured"]
+        print(
+            f"spotline: calibrated {m['stages']} stages x {m['pipelines']} pipelines: "
+            f"step {m['step_time_s'] * 1e3:.1f} ms "
+            f"(folded {m['degraded_step_time_s'] * 1e3:.1f} ms), "
+            f"generation change {m['reconfigure_s']:.2f} s "
+            f"(+{m['state_transfer_s']:.2f} s moving state), restore {m['restore_s']:.2f} s, "
+            f"worker start-up {m['node_ready_s']:.2f} s, "
+            f"checkpoint save {m['checkpoint_save_s'] * 1e3:.1f} ms"
+        )
+        print(f"calibration: {output}")
+        return 0
+
+    return run_guarded("calibrate", build_parser(), argv, work)
 
 
 if __name__ == "__main__":
