@@ -695,6 +695,69 @@ def bench_recovery(
     }
 
 
+def bench_reduce(
+    settings: BenchSettings, elements: int, ranks: int, logical_workers: int
+) -> dict[str, Any]:
+    """spotline.exact.exact_sum against a float all_reduce of the same gradients, side by
+    side in one set of gloo processes (launch/reduce_worker.py)."""
+    if elements < 1 or ranks < 1 or logical_workers < ranks or logical_workers % ranks:
+        raise UserError(
+            f"--elements {elements} --ranks {ranks} --logical-workers {logical_workers}: "
+            "use positive numbers and a multiple of --ranks logical workers"
+        )
+    settings.output.mkdir(parents=True, exist_ok=True)
+    out = settings.output / "reduce-ranks.json"
+    out.unlink(missing_ok=True)
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "spotline.launch.reduce_worker",
+                "--elements",
+                str(elements),
+                "--logical-workers",
+                str(logical_workers),
+                "--repeats",
+                str(settings.steps),
+                "--out",
+                str(out),
+            ],
+            env=rank_env(rank, ranks, port),
+        )
+        for rank in range(ranks)
+    ]
+    try:
+        codes = wait_ranks(procs)
+    finally:
+        stop(procs)
+    if any(codes) or not out.exists():
+        raise RunFailed(f"a reduce rank failed (exit codes {codes})", 1)
+    import json
+
+    measured: dict[str, Any] = json.loads(out.read_text())
+    measured["time_ratio"] = measured["exact_ms"] / measured["plain_ms"]
+    measured["bytes_ratio"] = measured["exact_bytes"] / measured["plain_bytes"]
+    return {"bench": "reduce", **measured, "machine": machine_info()}
+
+
+def format_reduce(report: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            f"reduce: {report['elements']:,} elements, {report['logical_workers']} logical "
+            f"workers on {report['ranks']} gloo processes, median of {report['repeats']}",
+            "",
+            "| reduction | ms | bytes per rank |",
+            "|---|---:|---:|",
+            f"| float sum + all_reduce | {report['plain_ms']:.2f} | {report['plain_bytes']:,} |",
+            f"| exact (fixed point) | {report['exact_ms']:.2f} | {report['exact_bytes']:,} |",
+            "",
+            f"exact / float: {report['time_ratio']:.2f}x time, {report['bytes_ratio']:.2f}x bytes",
+        ]
+    )
+
+
 def format_recovery(report: dict[str, Any]) -> str:
     lines = [
         f"recovery: {report['trace']} at {report['time_scale']}x, {report['steps']} steps, "
@@ -743,7 +806,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="side-by-side benchmarks of real training runs on this machine",
     )
     sub = parser.add_subparsers(
-        dest="bench", required=True, metavar="{foundation,redundancy,recovery}"
+        dest="bench", required=True, metavar="{foundation,redundancy,recovery,reduce}"
     )
     sub.add_parser(
         "foundation", parents=[common], help="Spotline vs stock DeepSpeed PipelineEngine"
@@ -765,6 +828,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     recovery.add_argument(
         "--time-scale", type=float, default=60.0, help="trace seconds per wall second"
+    )
+    reduce = sub.add_parser(
+        "reduce", parents=[common], help="exact fixed-point reduction vs a float all_reduce"
+    )
+    reduce.add_argument(
+        "--elements", type=int, default=1_000_000, help="gradient elements (default 1,000,000)"
+    )
+    reduce.add_argument("--ranks", type=int, default=2, help="gloo processes (default 2)")
+    reduce.add_argument(
+        "--logical-workers", type=int, default=4, help="logical workers in all (default 4)"
     )
     return parser
 
@@ -827,6 +900,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.bench == "recovery":
             report = bench_recovery(settings, args.trace, args.time_scale, args.max_workers)
             table = format_recovery(report)
+        elif args.bench == "reduce":
+            report = bench_reduce(settings, args.elements, args.ranks, args.logical_workers)
+            table = format_reduce(report)
         else:
             report = bench_redundancy(settings, parse_cases(args.cases))
             table = format_redundancy(report)

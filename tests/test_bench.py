@@ -88,6 +88,8 @@ def test_per_worker_summaries_become_per_rank_lists() -> None:
         ["redundancy", "--cases", "2by2"],
         ["redundancy", "--cases", "1x4"],
         ["foundation", "--cases", "2x2"],
+        ["reduce", "--ranks", "2", "--logical-workers", "3"],
+        ["reduce", "--elements", "0"],
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -106,3 +108,19 @@ def test_cli_dispatches_bench_bad_input() -> None:
     proc = run_spotline(["bench", "redundancy", "--steps", "0"], timeout=60)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "spotline: error: --steps 0: use at least 1 step"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reduce_compares_the_exact_sum_with_a_float_all_reduce(tmp_path: Path) -> None:
+    proc = run_spotline(
+        ["bench", "reduce", "--elements", "20000", "--steps", "3", "--output", str(tmp_path)],
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "bench-reduce.json").read_text())
+    assert (report["ranks"], report["logical_workers"], report["elements"]) == (2, 4, 20000)
+    assert report["plain_ms"] > 0 and report["exact_ms"] > 0
+    # 8-byte integers, plus one exponent per block and one flag per logical worker.
+    assert report["exact_bytes"] == 8 * 20000 + 4 * 5 + 4 * 4
+    assert "exact (fixed point)" in proc.stdout

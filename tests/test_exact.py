@@ -1,0 +1,92 @@
+"""spotline.exact: the gradient sum over logical workers is bitwise the same for every
+grouping of the workers onto processes (real gloo processes), close to the exact sum, and
+refuses non-finite gradients."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_ranks
+
+from spotline.exact import BLOCK, NonFiniteGradient, exact_sum, fraction_bits, ordered_sum
+
+WORKER = Path(__file__).parent / "workers" / "exact_worker.py"
+sys.path.insert(0, str(WORKER.parent))
+from exact_worker import NUM_LOGICAL_WORKERS, gradients  # noqa: E402
+
+
+def digest(tensor: torch.Tensor) -> str:
+    return hashlib.sha256(tensor.numpy().tobytes()).hexdigest()
+
+
+def one_process() -> str:
+    grads = gradients(None)
+    return digest(exact_sum(list(enumerate(grads)), num_logical_workers=NUM_LOGICAL_WORKERS))
+
+
+def test_float_sums_depend_on_the_grouping_so_a_plain_all_reduce_would_not_do() -> None:
+    g = gradients(None)
+    flat = g[0] + g[1] + g[2] + g[3] + g[4] + g[5]
+    paired = (g[0] + g[1]) + (g[2] + g[3]) + (g[4] + g[5])
+    assert not torch.equal(flat, paired)
+
+
+def test_the_exact_sum_is_within_its_rounding_bound_of_the_true_sum() -> None:
+    g = gradients(None)
+    total = exact_sum(list(enumerate(g)), num_logical_workers=NUM_LOGICAL_WORKERS)
+    truth = ordered_sum(list(enumerate(g)))
+    # Rounding to fixed point: at most half a unit of 2**(e - F) per worker; then one
+    # rounding to float32 of the result.
+    largest = max(float(x.abs().max()) for x in g)
+    unit = 2.0 ** (
+        torch.frexp(torch.tensor(largest, dtype=torch.float64))[1].item() - fraction_bits(6)
+    )
+    bound = NUM_LOGICAL_WORKERS * unit / 2 + truth.abs() * 2.0**-24
+    assert bool(((total.double() - truth).abs() <= bound).all())
+    assert g[0].numel() % BLOCK != 0  # the ragged last block is covered
+
+
+def test_zero_gradients_sum_to_zero_and_order_of_the_list_does_not_matter() -> None:
+    zeros = [(w, torch.zeros(5)) for w in range(3)]
+    assert torch.equal(exact_sum(zeros, num_logical_workers=3), torch.zeros(5))
+    g = list(enumerate(gradients(None)))
+    forward = exact_sum(g, num_logical_workers=6)
+    backward = exact_sum(list(reversed(g)), num_logical_workers=6)
+    assert torch.equal(forward, backward)
+
+
+def test_a_non_finite_gradient_is_reported_with_its_worker() -> None:
+    g = list(enumerate(gradients(4)))
+    with pytest.raises(NonFiniteGradient, match=r"logical worker\(s\) \[4\]"):
+        exact_sum(g, num_logical_workers=6)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "groups",
+    ["0,1,2;3,4,5", "0,1;2,3;4,5", "0,1,2,3;4;5", "5;0,2,4;1,3"],
+    ids=["2x3", "3x2", "4-1-1", "1-3-2 shuffled"],
+)
+def test_every_grouping_onto_processes_gives_the_same_bits(groups: str, tmp_path: Path) -> None:
+    num_ranks = len(groups.split(";"))
+    codes = run_ranks(WORKER, num_ranks, [str(tmp_path), groups], timeout=240)
+    assert codes == [0] * num_ranks
+    hashes = {
+        json.loads((tmp_path / f"rank{r}.json").read_text())["sha256"] for r in range(num_ranks)
+    }
+    assert hashes == {one_process()}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_non_finite_gradient_stops_every_process(tmp_path: Path) -> None:
+    codes = run_ranks(WORKER, 2, [str(tmp_path), "0,1,2;3,4,5", "4"], timeout=240)
+    assert codes == [0, 0]
+    for rank in range(2):
+        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"non_finite": [4]}

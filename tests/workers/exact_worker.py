@@ -1,0 +1,55 @@
+"""One rank of the exact-reduction tests (tests/test_exact.py).
+
+Every rank builds the same six logical workers' gradients from a fixed seed, keeps the
+ones ``groups`` assigns to it ("0,1,2;3,4,5": rank 0 hosts 0, 1 and 2), reduces them with
+spotline.exact.exact_sum over gloo and writes the result's SHA-256 (or the error) to
+``out_dir/rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from spotline.exact import NonFiniteGradient, exact_sum
+
+NUM_LOGICAL_WORKERS = 6
+
+
+def gradients(poison: int | None) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1234)
+    # Magnitudes spread over six decades, and a length that is not a whole number of blocks.
+    grads = [
+        torch.randn(10_007, generator=generator) * 10.0 ** (worker - 3)
+        for worker in range(NUM_LOGICAL_WORKERS)
+    ]
+    if poison is not None:
+        grads[poison][17] = float("nan")
+    return grads
+
+
+def main() -> None:
+    out_dir, groups = sys.argv[1], sys.argv[2]
+    poison = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    mine = [int(w) for w in groups.split(";")[rank].split(",")]
+    grads = gradients(poison)
+    try:
+        total = exact_sum([(w, grads[w]) for w in mine], num_logical_workers=NUM_LOGICAL_WORKERS)
+        result = {"sha256": hashlib.sha256(total.numpy().tobytes()).hexdigest()}
+    except NonFiniteGradient as exc:
+        result = {"non_finite": list(exc.logical_workers)}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
