@@ -160,13 +160,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     ]
     if not joined:
         raise RunFailed("the arrivals never joined; see the fatal run's logs", 1)
+    # Checkpoints are committed in the background: on a slow machine none may be complete
+    # when every worker dies, and the run starts again from scratch instead. Both are the
+    # restore a fatal loss costs (the checkpoint read of a tiny model is milliseconds).
     falls = _event_times(fatal, "checkpoint-fallback")
-    if not falls or not fatal["recovery_events"]:
-        raise RunFailed(
-            "the fatal-loss run restored no checkpoint (none was committed in time); "
-            "use more --steps",
-            1,
-        )
+    scratch = _event_times(fatal, "restart-from-scratch")
+    if not (falls or scratch) or not fatal["recovery_events"]:
+        raise RunFailed("the fatal-loss run recorded no restore; see its logs", 1)
     restore_s = float(fatal["recovery_events"][-1]["recovery_s"])
     return {
         "stages": stages,
@@ -182,6 +182,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "reconfigure_s": reconfigure_s,
         "state_transfer_s": transfer_s,
         "restore_s": restore_s,
+        "restore_from": "checkpoint" if falls else "scratch",
         "node_ready_s": float(median(joined)),
         "checkpoint_interval_steps": interval,
         "param_sha256": steady["param_sha256"],
