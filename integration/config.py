@@ -191,6 +191,17 @@ class RunConfig:
     def num_pipelines(self) -> int:
         return self.num_workers // self.num_stages
 
+    @property
+    def samples_per_step(self) -> int:
+        """Samples of one optimizer step: the global batch, fixed by the logical topology."""
+        return self.micro_batch_size * self.num_micro_batches * self.num_pipelines
+
+    def checkpoint_root(self, output: Path) -> Path:
+        """Where a run writing to ``output`` keeps its checkpoints (``checkpoints.dir``, or
+        ``output/checkpoints``): the coordinator, the workers and the CLI all ask here."""
+        shared = self.spotline.checkpoints.dir
+        return Path(shared) if shared else output / "checkpoints"
+
     def to_json(self) -> dict[str, Any]:
         out = copy.deepcopy(self.deepspeed)
         out["spotline"] = dataclasses.asdict(self.spotline)
@@ -330,7 +341,7 @@ def validate(cfg: RunConfig) -> None:
             f"use a multiple of {sl.topology.stages} workers (each pipeline needs one per stage)"
         )
     if "train_batch_size" in ds:
-        expected = cfg.micro_batch_size * cfg.num_micro_batches * cfg.num_pipelines
+        expected = cfg.samples_per_step
         if ds["train_batch_size"] != expected:
             raise UserError(
                 f"config key 'train_batch_size' is {ds['train_batch_size']} but micro-batch "

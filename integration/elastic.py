@@ -266,10 +266,6 @@ class ElasticWorker:
         self.replica_sync_s = 0.0
 
     # -- plumbing ---------------------------------------------------------------------
-    def _ckpt_root(self) -> Path:
-        d = self.cfg.spotline.checkpoints.dir
-        return Path(d) if d else self.output / "checkpoints"
-
     def _start_heartbeat(self) -> None:
         from spotline.stores import connect_store
 
@@ -674,7 +670,7 @@ class ElasticWorker:
             return
         if self.checkpoints is None:
             self.checkpoints = CheckpointWriter(
-                self._ckpt_root(), self.cfg.spotline.checkpoints.keep
+                self.cfg.checkpoint_root(self.output), self.cfg.spotline.checkpoints.keep
             )
         if engine.grid.data_parallel_id != 0:
             return  # data-parallel peers hold identical state: pipeline 0 writes it
@@ -691,7 +687,7 @@ class ElasticWorker:
 
     def _restore_checkpoint(self, step: int) -> None:
         """Fatal loss: every logical stage from the last complete checkpoint on disk."""
-        files = load_all(self._ckpt_root(), step)
+        files = load_all(self.cfg.checkpoint_root(self.output), step)
         self.holdings = Holdings()
         for label, payload in files.items():
             stage = int(label.split("-")[1])

@@ -74,7 +74,7 @@ def prepare_inputs(cfg: RunConfig) -> tuple[Any, sl_data.PackedCorpus]:
             f"--stages {cfg.num_stages} is more than the model's {num_blocks} transformer blocks; "
             f"use at most {num_blocks} stages or a deeper model"
         )
-    samples_per_step = cfg.micro_batch_size * cfg.num_micro_batches * cfg.num_pipelines
+    samples_per_step = cfg.samples_per_step
     corpus = sl_data.load_corpus(
         sl.data.path, sl.data.tokenizer, sl.model.seq_len, min_sequences=samples_per_step
     )
@@ -240,9 +240,7 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
     summary: dict[str, Any] | None = None
     if is_reporter:
         assert hf_params is not None
-        samples = (
-            sl.training.steps * cfg.micro_batch_size * cfg.num_micro_batches * cfg.num_pipelines
-        )
+        samples = sl.training.steps * cfg.samples_per_step
         summary = {
             "steps": sl.training.steps,
             "losses": losses,

@@ -66,7 +66,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     # A summary left by an earlier run in this directory must not pass for this run's, nor
     # may its checkpoints be restored by this run: the output directory is this run's now.
     (output / SUMMARY_NAME).unlink(missing_ok=True)
-    shutil.rmtree(output / "checkpoints", ignore_errors=True)
+    if not cfg.spotline.checkpoints.dir:
+        shutil.rmtree(cfg.checkpoint_root(output), ignore_errors=True)
     resolved = output / "config.resolved.json"
     write_json_atomic(resolved, cfg.to_json())
 

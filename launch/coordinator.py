@@ -119,7 +119,6 @@ class Coordinator:
         self.resume_step = 0
         self.ckpt_committed: set[int] = set()
         self.first_step_t: float | None = None
-        self.first_step_wall: float | None = None
         self.included: set[str] = set()
         self.boundary_for_joiners: set[str] = set()
         self.awaited_joiners: set[str] = set()
@@ -261,8 +260,7 @@ class Coordinator:
         the run makes no progress."""
         if not self.timed and self.replay is None:
             return
-        warm = [w for w, p in self.workers.items() if p.alive and p.warm]
-        for _ in range(self.sl.recovery.warm_workers - len(warm)):
+        for _ in range(self.sl.recovery.warm_workers - len(self.warm_ids())):
             self.spawn(None, warm=True)
 
     def include(self, wid: str, generation: int) -> None:
@@ -280,6 +278,10 @@ class Coordinator:
     def live_ids(self) -> list[str]:
         """Live workers that are nodes of the run (warm workers not yet arrived excluded)."""
         return [w for w, p in self.workers.items() if p.alive and not p.warm]
+
+    def warm_ids(self) -> list[str]:
+        """Live workers started ahead of an arrival that no arrival has taken yet."""
+        return [w for w, p in self.workers.items() if p.alive and p.warm]
 
     def signal_worker(self, wid: str, how: str) -> None:
         proc = self.workers[wid]
@@ -304,7 +306,6 @@ class Coordinator:
                 best = max(best, int(self.store.get(key).decode()))
                 if self.first_step_t is None:
                     self.first_step_t = time.monotonic()
-                    self.first_step_wall = time.time()
         return best
 
     def _poll_processes(self) -> list[str]:
@@ -417,7 +418,7 @@ class Coordinator:
                     self.signal_worker(wid, inj.signal)
 
     def _arrival(self) -> None:
-        warm = [w for w, p in self.workers.items() if p.alive and p.warm]
+        warm = self.warm_ids()
         # A warm worker that has finished starting first; else the oldest still starting.
         joined = [w for w in warm if self.store.check([f"joined/{w}"])]
         if joined or warm:
@@ -489,7 +490,7 @@ class Coordinator:
         # Training time: from the first step to the last commit, recoveries included.
         self.train_wall_s = end - (self.first_step_t or t_start)
         self._publish(self.generation + 1, {"action": "finish"})
-        for w in self.live_ids() + [w for w, p in self.workers.items() if p.alive and p.warm]:
+        for w in self.live_ids() + self.warm_ids():
             if w not in self.included:
                 # Started but never planned (warm, or arrived at the end): let it read "finish".
                 self.store.set(f"entry/{w}", str(self.generation + 1))
@@ -529,8 +530,7 @@ class Coordinator:
         progress = self.max_progress()
         new_steps = max(0, progress - max(step, self.best_progress))
         self.best_progress = max(self.best_progress, progress, step)
-        samples = new_steps * self.cfg.micro_batch_size * self.cfg.num_micro_batches
-        samples *= self.cfg.num_pipelines
+        samples = new_steps * self.cfg.samples_per_step
         self.timeline.record(
             now,
             "throughput",
@@ -678,11 +678,7 @@ class Coordinator:
             return
         from spotline.checkpoint import CheckpointWriter
 
-        root = (
-            Path(self.sl.checkpoints.dir)
-            if self.sl.checkpoints.dir
-            else self.output / "checkpoints"
-        )
+        root = self.cfg.checkpoint_root(self.output)
         writer = CheckpointWriter(root, self.sl.checkpoints.keep)
         labels = [f"stage-{s}" for s in range(self.cfg.num_stages)]
         for step in range(interval, self.max_progress() + 2, interval):
@@ -791,11 +787,7 @@ class Coordinator:
     def _restore(self, reports: list[WorkerReport], g: int, reached: int = 0) -> None:
         from spotline.checkpoint import latest_complete
 
-        root = (
-            Path(self.sl.checkpoints.dir)
-            if self.sl.checkpoints.dir
-            else self.output / "checkpoints"
-        )
+        root = self.cfg.checkpoint_root(self.output)
         step = latest_complete(root) if root.exists() else None
         S, P = self.cfg.num_stages, self.cfg.num_pipelines
         everyone = [WorkerReport(r.worker, (), r.previous_slot) for r in reports]
@@ -867,9 +859,7 @@ class Coordinator:
         losses = [self.losses.get(s) for s in range(steps)]
         key = "final/param_sha256"
         param_hash = self.store.get(key).decode() if self.store.check([key]) else None
-        samples = (
-            steps * self.cfg.micro_batch_size * self.cfg.num_micro_batches * self.cfg.num_pipelines
-        )
+        samples = steps * self.cfg.samples_per_step
         self.timeline.write_csv(self.output / "timeline.csv")
         try:
             self.timeline.plot_png(self.output / "timeline.png", f"spotline: {self.sl.model.name}")

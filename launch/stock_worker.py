@@ -60,7 +60,7 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
     )
     seed_everything(sl.training.seed)
     hf_config = models.load_hf_config(sl.model.name, sl.model.overrides)
-    samples_per_step = cfg.micro_batch_size * cfg.num_micro_batches * cfg.num_pipelines
+    samples_per_step = cfg.samples_per_step
     corpus = sl_data.load_corpus(
         sl.data.path, sl.data.tokenizer, sl.model.seq_len, min_sequences=samples_per_step
     )
