@@ -605,6 +605,20 @@ class _Members:
         self.slot_of = {node: slot for slot, node in self.by_slot.items()}
 
 
+def _start_from_nothing(
+    run: _Run, planner: _RuntimePlanner, nodes: list[str], *, min_nodes: int = 1
+) -> _Members | None:
+    """A (re)start on ``nodes`` with no state in memory: the planner's first layout, paid
+    as a restart pause; None (waiting for nodes) with fewer than ``min_nodes`` or too few
+    for the planner."""
+    plan = planner.initial(len(nodes)) if len(nodes) >= min_nodes else None
+    members = None if plan is None else _Members(plan, {}, nodes)
+    if members is not None:
+        run.pause("restart", run.start_cost_s())
+    run.set_layout(None if members is None else members.layout)
+    return members
+
+
 def _simulate_spotline(
     trace: Trace,
     batches: Sequence[tuple[float, list[str], list[str]]],
@@ -630,13 +644,9 @@ def _simulate_spotline(
 
     def start() -> None:
         nonlocal state, num_restarts
-        nodes = list(ready)
-        plan = planner.initial(len(nodes))
-        state = None if plan is None else _Members(plan, {}, nodes)
+        state = _start_from_nothing(run, planner, list(ready))
         if state is not None:
             num_restarts += 1
-            run.pause("restart", run.start_cost_s())
-        run.set_layout(None if state is None else state.layout)
 
     def replan() -> None:
         nonlocal state, lost, num_fatal
@@ -717,13 +727,9 @@ def _simulate_checkpoint_restart(
 
     def restart() -> None:
         nonlocal job, num_restarts
-        nodes = list(ready)
-        plan = planner.initial(len(nodes)) if len(nodes) >= num_stages else None
-        job = None if plan is None else _Members(plan, {}, nodes)
+        job = _start_from_nothing(run, planner, list(ready), min_nodes=num_stages)
         if job is not None:
             num_restarts += 1
-            run.pause("restart", run.start_cost_s())
-        run.set_layout(None if job is None else job.layout)
 
     def grow_at_checkpoint() -> None:
         # The checkpoint was just written: growing redoes nothing, only the restart costs.
