@@ -108,3 +108,36 @@ def test_calibrate_rejects_a_bad_topology(tmp_path: Path) -> None:
     assert len(errors) == 1 and "--workers 3" in errors[0], proc.stderr
     assert "Traceback" not in proc.stderr
     assert not out.exists()
+
+
+def test_replay_record_takes_what_a_prediction_needs_from_a_finished_run() -> None:
+    from spotline.sim.validate import replay_record
+
+    summary = {
+        "workers": 2,
+        "stages": 2,
+        "steps": 1600,
+        "checkpoint_interval_steps": 10,
+        "train_wall_s": 135.6,
+        "goodput_samples_per_s": 377.4,
+        "preemptions": 6,
+        "recoveries": 3,
+        "checkpoint_fallbacks": 3,
+        "steps_redone": 6,
+        "param_sha256": "ab",
+    }
+    recovery = {
+        "trace": "../shared/traces/p3-trace.csv",
+        "time_scale": 30.0,
+        "trace_clock": "wall",
+        "max_workers": None,
+        "warm_workers": 1,
+    }
+    record = replay_record(summary, {"spotline": {"recovery": recovery}})
+    assert record["trace"] == "p3-trace.csv"
+    assert record["max_workers"] == 2  # no cap given: the configured workers
+    assert {k: record[k] for k in summary} == summary
+    with pytest.raises(ValueError, match="no trace"):
+        replay_record(summary, {"spotline": {"recovery": {**recovery, "trace": None}}})
+    # The recorded run in tests/data was made by this function.
+    assert set(recorded()) >= set(record)
