@@ -78,10 +78,18 @@ class RedundancySection:
 
 @dataclass(frozen=True)
 class ElasticitySection:
-    """EasyScale-style logical data-parallel workers (``None``: one per pipeline)."""
+    """EasyScale-style logical data-parallel workers: ``logical_workers`` logical pipelines
+    (``None``: as many as the starting processes form), run by however many processes live."""
 
     logical_workers: int | None = None
-    # For tests and demos: this worker index sleeps this factor longer per micro-batch.
+    # "STEP:M[,STEP:M...]": change the number of worker processes to M at those steps
+    # (removals by SIGKILL), for tests and demos.
+    rescale: str | None = None
+    # Steps between speed measurements that may move logical workers between pipelines
+    # (0: only when the processes change).
+    rebalance_every: int = 10
+    # For tests and demos: worker index ``slow_worker`` (w<index>) computes ``slow_factor``
+    # times slower (it sleeps after each logical worker's share of the step).
     slow_worker: int | None = None
     slow_factor: float = 1.0
 
@@ -189,6 +197,14 @@ class RunConfig:
 
     @property
     def num_pipelines(self) -> int:
+        """Logical pipelines (EasyScale's logical workers): fixed for the whole run, whatever
+        the number of processes; the sampler, the reduction and the seeds count these."""
+        logical = self.spotline.elasticity.logical_workers
+        return logical if logical is not None else self.num_workers // self.num_stages
+
+    @property
+    def num_physical_pipelines(self) -> int:
+        """Pipelines the starting processes form (``workers // stages``)."""
         return self.num_workers // self.num_stages
 
     @property
@@ -326,6 +342,16 @@ def validate(cfg: RunConfig) -> None:
     _positive("spotline.determinism.intra_op_threads", sl.determinism.intra_op_threads)
     _positive("spotline.checkpoints.keep", sl.checkpoints.keep)
     _positive("spotline.recovery.max_workers", sl.recovery.max_workers)
+    if sl.elasticity.rebalance_every < 0:
+        raise UserError(
+            "config key 'spotline.elasticity.rebalance_every' is negative; use 0 (rebalance "
+            "only when processes change) or a step count"
+        )
+    if not (sl.elasticity.slow_factor >= 1.0):
+        raise UserError(
+            f"config key 'spotline.elasticity.slow_factor' is {sl.elasticity.slow_factor}; "
+            "expected a number >= 1 (how many times slower the slow worker computes)"
+        )
     if sl.recovery.warm_workers < 0:
         raise UserError(
             "config key 'spotline.recovery.warm_workers' is negative; use 0 (arrivals start "

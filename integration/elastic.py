@@ -42,8 +42,9 @@ from spotline import models
 from spotline.checkpoint import CheckpointWriter, load_all
 from spotline.config import RunConfig
 from spotline.engine import build_engine, deepspeed_config_for
+from spotline.plan import logical
 from spotline.plan.chaos import parse_injections
-from spotline.plan.layout import Holding, Layout
+from spotline.plan.layout import Holding, Layout, pipeline_name
 from spotline.plan.sampler import GlobalSampler
 from spotline.redundancy import RedundantPipelineEngine
 from spotline.runtime import configure_process, param_sha256, peak_rss_mib, seed_everything
@@ -264,6 +265,12 @@ class ElasticWorker:
         self.replica_mismatches: list[dict[str, int]] = []
         self.redundant_s = 0.0
         self.replica_sync_s = 0.0
+        # Speed measurement: seconds per logical worker on this rank since the last rebalance.
+        self._lw_seconds = 0.0
+        self._lw_count = 0
+        self.seconds_per_logical_worker: float | None = None
+        self.placements: list[dict[str, Any]] = []
+        self._measuring = False
 
     # -- plumbing ---------------------------------------------------------------------
     def _start_heartbeat(self) -> None:
@@ -372,6 +379,12 @@ class ElasticWorker:
             "replica_mismatches": self.replica_mismatches,
             "redundant_compute_s": self.redundant_s,
             "replica_sync_s": self.replica_sync_s,
+            "seconds_per_logical_worker": (
+                self._lw_seconds / self._lw_count
+                if self._lw_count
+                else self.seconds_per_logical_worker
+            ),
+            "placements": self.placements,
         }
         self.store.set(f"report/{generation}/{self.wid}", json.dumps(report))
 
@@ -400,6 +413,7 @@ class ElasticWorker:
         self._training_generation = generation
         try:
             engine = self._build_engine(layout)
+            self._place_logical_workers(engine, plan["logical"])
             self._load_state(engine, layout, plan)
             self.store.set(f"ready/{generation}/{self.wid}", repr(time.perf_counter() - t0))
             outcome = self._train(engine, generation, resume)
@@ -570,7 +584,6 @@ class ElasticWorker:
 
     def _train(self, engine: RedundantPipelineEngine, generation: int, resume: int) -> str:
         sl = self.cfg.spotline
-        pipeline = int(engine.grid.data_parallel_id)
         current = {"step": resume}
 
         def phase_hook(phase: str) -> None:
@@ -585,27 +598,24 @@ class ElasticWorker:
                     os.kill(os.getpid(), signal.SIGKILL if inj.signal == "kill" else signal.SIGTERM)
 
         engine.phase_hook = phase_hook
+        engine.on_logical_worker_done = self._logical_worker_done
+        self._lw_seconds, self._lw_count = 0.0, 0
         # The commit barrier stays gloo's: if a peer fails while others wait in it, the
         # watchdog (heartbeat thread) sees the abort and shuts this process's connections.
-        from spotline.engine import step_batches
-
         for step in range(resume, sl.training.steps):
             current["step"] = step
             self.store.set(f"progress/{generation}/{self.wid}", str(step))
             if self._should_stop(generation, step):
                 self._save_holdings(engine)
                 return "boundary"
+            every = sl.elasticity.rebalance_every
+            if every > 0 and step > resume and (step - resume) % every == 0:
+                self._rebalance(engine, step)
+            # A generation's first step pays one-off costs (allocations, first collectives):
+            # not a measure of speed.
+            self._measuring = step > resume
             t0 = time.perf_counter()
-            engine.begin_step(seed=sl.training.seed, step=step, logical_worker=pipeline)
-            loss = engine.train_batch(
-                data_iter=step_batches(
-                    engine.batch_source,
-                    step=step,
-                    logical_worker=pipeline,
-                    num_micro_batches=self.cfg.num_micro_batches,
-                )
-            )
-            self.losses[step] = float(loss)
+            self.losses[step] = engine.train_step(seed=sl.training.seed, step=step)
             if dist.get_rank() == 0:
                 self.store.set(f"loss/{step}", repr(self.losses[step]))
             self.step_times[step] = time.perf_counter() - t0
@@ -617,6 +627,55 @@ class ElasticWorker:
         self._save_holdings(engine)
         self._finish(engine, generation)
         return "done"
+
+    # -- logical workers (EasyScale) ----------------------------------------------------
+    def _place_logical_workers(
+        self, engine: RedundantPipelineEngine, assignment: dict[str, list[int]], step: int = -1
+    ) -> None:
+        """Host the logical workers the assignment gives this rank's pipeline."""
+        pipeline = pipeline_name(int(engine.grid.data_parallel_id))
+        engine.set_logical_workers(self.cfg.num_pipelines, tuple(assignment[pipeline]))
+        self._assignment = {p: tuple(ws) for p, ws in assignment.items()}
+        if dist.get_rank() == 0:
+            self.placements.append(
+                {"step": step, "pipelines": [list(self._assignment[p]) for p in sorted(assignment)]}
+            )
+
+    def _logical_worker_done(self, worker: int, seconds: float) -> None:
+        factor = self.cfg.spotline.elasticity.slow_factor
+        if self.index == self.cfg.spotline.elasticity.slow_worker and factor > 1:
+            # The demo's slow machine: this share of the step takes ``factor`` times as long.
+            time.sleep((factor - 1) * seconds)
+            seconds *= factor
+        if self._measuring:
+            self._lw_seconds += seconds
+            self._lw_count += 1
+
+    def _rebalance(self, engine: RedundantPipelineEngine, step: int) -> None:
+        """Measure every pipeline's speed and move logical workers if that pays off.
+
+        Collective: every rank gathers every rank's seconds per logical worker since the
+        last measurement; a pipeline is as fast as its slowest rank. Every rank computes the
+        same assignment from the same numbers (pure functions), so no one has to announce it;
+        nothing but the ids moves (every pipeline holds all the state its stages need)."""
+        mine = torch.tensor([self._lw_seconds / max(1, self._lw_count)], dtype=torch.float64)
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        self._lw_seconds, self._lw_count = 0.0, 0
+        num_pipelines = int(engine.grid.get_data_parallel_world_size())
+        slowest = [0.0] * num_pipelines
+        for rank, seconds in enumerate(gathered):
+            pipeline = rank % num_pipelines  # DeepSpeed's pipe-major ranks: stage * P + pipeline
+            slowest[pipeline] = max(slowest[pipeline], float(seconds))
+        self.seconds_per_logical_worker = float(mine)
+        if num_pipelines == 1 or min(slowest) <= 0:
+            return
+        speeds = {pipeline_name(p): 1.0 / slowest[p] for p in range(num_pipelines)}
+        proposed = logical.rebalance(self._assignment, speeds)
+        if logical.worth_moving(self._assignment, proposed, speeds):
+            self._place_logical_workers(
+                engine, {p: list(ws) for p, ws in proposed.items()}, step=step
+            )
 
     def _verify_replicas(self, engine: RedundantPipelineEngine, step: int) -> None:
         assert engine.replica is not None

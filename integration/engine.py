@@ -9,6 +9,7 @@ choosing. Everything else is DeepSpeed's own engine.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,10 +18,14 @@ import torch
 import torch.distributed as dist
 from deepspeed import set_optimizer_flags
 from deepspeed.runtime.config import DeepSpeedConfig
+from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
+from deepspeed.runtime.pipe.schedule import PipeInstruction
 
 from spotline.clipping import apply_clip, clip_coefficient, per_layer_sq_norms
+from spotline.exact import LogicalGradients
+from spotline.plan import schedule as plan
 from spotline.runtime import derive_seed
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -41,6 +46,62 @@ class RngContext:
     micro_batch: int
 
 
+class BeginLogicalWorker(PipeInstruction):
+    """Start the pipeline's ``index``-th hosted logical worker: its randomness (dropout is
+    seeded by its id), its micro-batches and its loss from here on. Opens each repetition
+    of the schedule's body; pairs with KeepLogicalGradients of the same index."""
+
+
+class KeepLogicalGradients(PipeInstruction):
+    """Move the ``index``-th hosted logical worker's gradients aside (and zero them) and
+    record its loss. Closes its repetition of the body, after its ReduceTiedGrads; the
+    step's one ReduceGrads reduces every kept logical worker exactly."""
+
+
+# Instruction name (as ``spotline.plan.schedule.lower`` writes it) -> class. Subclasses that
+# define instructions of their own add them here.
+INSTRUCTIONS: dict[str, type[PipeInstruction]] = {
+    cls.__name__: cls
+    for cls in (
+        ds_schedule.LoadMicroBatch,
+        ds_schedule.ForwardPass,
+        ds_schedule.BackwardPass,
+        ds_schedule.SendActivation,
+        ds_schedule.RecvActivation,
+        ds_schedule.SendGrad,
+        ds_schedule.RecvGrad,
+        ds_schedule.ReduceTiedGrads,
+        ds_schedule.ReduceGrads,
+        ds_schedule.OptimizerStep,
+        BeginLogicalWorker,
+        KeepLogicalGradients,
+    )
+}
+
+
+class LoweredSchedule:
+    """One optimizer step for one pipeline position, in the shape ``_exec_schedule`` runs:
+    ``plan.lower_logical_step`` of a plan.Schedule, lowered once per (engine, number of
+    hosted logical workers); instructions hold only their kwargs, so every step iterates the
+    same objects."""
+
+    def __init__(self, schedule: plan.Schedule, position: int, num_hosted: int) -> None:
+        self.schedule = schedule
+        self.position = position
+        self._steps = [
+            [INSTRUCTIONS[name](**kwargs) for name, kwargs in step]
+            for step in plan.lower_logical_step(schedule, position, num_hosted)
+        ]
+
+    def num_pipe_buffers(self) -> int:
+        return plan.num_pipe_buffers(
+            self.schedule.num_stages, self.schedule.num_micro_batches, self.position
+        )
+
+    def __iter__(self) -> Iterator[list[PipeInstruction]]:
+        return iter(self._steps)
+
+
 @dataclass(frozen=True)
 class TiedPair:
     """A tied copy (e.g. the LM head's embedding) and the parameter it copies, by global name."""
@@ -52,12 +113,16 @@ class TiedPair:
 
 
 class SpotlinePipelineEngine(PipelineEngine):
-    """DeepSpeed's pipeline engine with placement-independent randomness.
+    """DeepSpeed's pipeline engine with placement-independent math.
 
-    The subclass adds two things and changes no math: a per-layer RNG reseed from
-    :class:`RngContext` before every layer's forward (also during activation-checkpoint
-    recomputation, which re-runs forwards inside the backward pass), and the bookkeeping of
-    which micro-batch a ForwardPass/BackwardPass instruction belongs to.
+    What the subclass adds: a per-layer RNG reseed from :class:`RngContext` before every
+    layer's forward (also during activation-checkpoint recomputation, which re-runs forwards
+    inside the backward pass); logical workers (EasyScale): a pipeline hosts one or more of
+    the job's ``num_logical_workers`` logical pipelines and runs them in turn
+    (``plan.lower_logical_step``); the data-parallel reduction replaced by the exact one
+    over logical workers (``spotline.exact``), the loss reduced over logical workers in
+    their order, tied copies kept as separate parameters, and clipping by the global norm
+    over logical layers. None of it depends on how many processes run the job.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -71,6 +136,101 @@ class SpotlinePipelineEngine(PipelineEngine):
         self.last_clip_coefficient = 1.0
         self._index_tied_copies()
         self._install_rng_hooks()
+        # The plan of one logical worker's micro-batches; subclasses derive their own.
+        self._plan = plan.train_schedule(self.num_stages, self.micro_batches)
+        self._lowered: dict[int, LoweredSchedule] = {}
+        # Called with (logical worker, seconds its share of the step took on this rank) as
+        # each hosted logical worker finishes: speed measurement (and the slow-worker demo).
+        self.on_logical_worker_done: Callable[[int, float], None] | None = None
+        self._logical_t0 = 0.0
+        self.batch_source: Callable[[int, int, int], Batch] | None = None
+        # Without a placement from the caller: one logical worker per pipeline.
+        self.set_logical_workers(
+            self.grid.get_data_parallel_world_size(), (self.grid.data_parallel_id,)
+        )
+
+    # -- logical workers ----------------------------------------------------------------
+    def set_logical_workers(self, num_logical_workers: int, hosted: tuple[int, ...]) -> None:
+        """Host the logical workers ``hosted`` (ids in ``0..num_logical_workers-1``) from the
+        next step on. Every pipeline of the job must be told, and together they must host
+        each logical worker exactly once (``spotline.plan.logical`` decides who runs which)."""
+        if not hosted or list(hosted) != sorted(set(hosted)):
+            raise ValueError(f"hosted logical workers must be distinct ids in order, got {hosted}")
+        if hosted[-1] >= num_logical_workers or hosted[0] < 0:
+            raise ValueError(f"hosted {hosted} not in 0..{num_logical_workers - 1}")
+        self.num_logical_workers = num_logical_workers
+        self.hosted_logical_workers = tuple(hosted)
+        self.logical_gradients = LogicalGradients(
+            [p for p in self.module.parameters() if p.requires_grad], num_logical_workers
+        )
+        self._logical_losses: dict[int, torch.Tensor] = {}
+
+    def _train_schedule(self) -> LoweredSchedule:  # type: ignore[override]
+        num_hosted = len(self.hosted_logical_workers)
+        if num_hosted not in self._lowered:
+            self._lowered[num_hosted] = LoweredSchedule(self._plan, self.stage_id, num_hosted)
+        return self._lowered[num_hosted]
+
+    def train_step(self, *, seed: int, step: int) -> float:
+        """Run optimizer step ``step`` for every hosted logical worker; returns the mean loss
+        over all logical workers of the job (the same on every rank)."""
+        assert self.batch_source is not None, "set engine.batch_source before training"
+        source = self.batch_source
+        self.begin_step(seed=seed, step=step, logical_worker=self.hosted_logical_workers[0])
+        batches = (
+            source(step, worker, micro_batch)
+            for worker in self.hosted_logical_workers
+            for micro_batch in range(self.micro_batches)
+        )
+        return float(self.train_batch(data_iter=batches))
+
+    def _exec_begin_logical_worker(self, index: int) -> None:
+        self.rng_logical_worker = self.hosted_logical_workers[index]
+        # 1F1B runs each logical worker's forwards, and its backwards, in micro-batch order.
+        self._num_forwards = 0
+        self._num_backwards = 0
+        self.total_loss = None
+        self._logical_t0 = time.perf_counter()
+
+    def _exec_keep_logical_gradients(self, index: int) -> None:
+        worker = self.hosted_logical_workers[index]
+        self.logical_gradients.keep(worker)
+        if self.is_last_stage():
+            assert self.total_loss is not None
+            # DeepSpeed's own scaling of the summed micro-batch losses (divided by their count).
+            self._logical_losses[worker] = self._scale_loss_by_gas(self.total_loss.detach())
+            self.total_loss = None
+        if self.on_logical_worker_done is not None:
+            self.on_logical_worker_done(worker, time.perf_counter() - self._logical_t0)
+
+    def _exec_reduce_grads(self) -> None:
+        """The exact mean over every logical worker of the job (replaces DeepSpeed's float
+        all-reduce, whose result depends on how many processes take part)."""
+        self.logical_gradients.reduce(group=self.grid.get_data_parallel_group())
+
+    def _aggregate_total_loss(self) -> torch.Tensor:
+        """The step's loss: each logical worker's mean over its micro-batches, added in
+        logical-worker order and divided by their number, then sent to every stage."""
+        group = self.grid.get_pipe_parallel_group()
+        last = self.grid.stage_to_global(stage_id=self.num_stages - 1)
+        if self.is_last_stage():
+            by_worker = torch.zeros(self.num_logical_workers, dtype=torch.float32)
+            for worker, loss in self._logical_losses.items():
+                by_worker[worker] = loss.float()
+            # Each entry is non-zero on one process only: adding zeros is exact.
+            dist.all_reduce(by_worker, group=self.grid.get_data_parallel_group())
+            total = by_worker[0].clone()
+            for worker in range(1, self.num_logical_workers):
+                total = total + by_worker[worker]
+            loss = total / self.num_logical_workers if self.num_logical_workers > 1 else total
+            self._logical_losses = {}
+            out = torch.stack([loss, loss])
+        else:
+            out = torch.zeros(2, dtype=torch.float32)
+        if self.num_stages > 1:
+            dist.broadcast(out, src=last, group=group)
+        self.dp_group_loss = out[0].clone()
+        return out[1].clone()
 
     # -- randomness -------------------------------------------------------------------
     def _install_rng_hooks(self) -> None:
@@ -199,13 +359,19 @@ def rebind_instruction_map(cls: type[PipelineEngine]) -> None:
     overriding handler is never dispatched unless the subclass gets its own map
     (DEEPSPEED-NOTES.md). Rebuilding it by name keeps every subclass honest.
     """
+    base = cls.__mro__[1]._INSTRUCTION_MAP  # the parent's map, with its own instructions
     cls._INSTRUCTION_MAP = {
-        instruction: getattr(cls, handler.__name__)
-        for instruction, handler in PipelineEngine._INSTRUCTION_MAP.items()
+        instruction: getattr(cls, handler.__name__) for instruction, handler in base.items()
     }
 
 
 rebind_instruction_map(SpotlinePipelineEngine)
+SpotlinePipelineEngine._INSTRUCTION_MAP.update(
+    {
+        BeginLogicalWorker: SpotlinePipelineEngine._exec_begin_logical_worker,
+        KeepLogicalGradients: SpotlinePipelineEngine._exec_keep_logical_gradients,
+    }
+)
 
 
 def deepspeed_config_for(run_ds: dict[str, Any], *, num_pipelines: int) -> dict[str, Any]:

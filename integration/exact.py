@@ -108,6 +108,7 @@ def exact_sum(
     *,
     num_logical_workers: int,
     group: dist.ProcessGroup | None = None,
+    local: bool = False,
 ) -> torch.Tensor:
     """The exact sum over all logical workers of their gradients.
 
@@ -124,7 +125,7 @@ def exact_sum(
     shape, dtype = gradients[0][1].shape, gradients[0][1].dtype
     if any(g.shape != shape for _, g in gradients):
         raise ValueError("every logical worker's gradient must have the same shape")
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = not local and dist.is_available() and dist.is_initialized()
     numel = gradients[0][1].numel()
     if numel == 0:
         return torch.zeros(shape, dtype=dtype)
@@ -163,3 +164,69 @@ def ordered_sum(gradients: Sequence[tuple[int, torch.Tensor]]) -> torch.Tensor:
     for _, g in sorted(gradients, key=lambda item: item[0]):
         total += g.to(torch.float64)
     return total
+
+
+class LogicalGradients:
+    """The gradients of the logical workers one process hosts, kept apart until reduced.
+
+    A process running ``k`` logical workers in turn calls :meth:`keep` after each one's
+    backward passes: the parameters' gradients are copied out (one flat tensor per logical
+    worker) and zeroed, so the next logical worker's gradients never touch them; no float
+    addition ever mixes two logical workers. :meth:`reduce` then replaces DeepSpeed's
+    data-parallel all-reduce: the exact sum over every logical worker of the job, times
+    ``1 / num_logical_workers`` (the mean), written back into the parameters' gradients.
+    Costs one flat gradient copy per hosted logical worker (DeepSpeed's own all-reduce
+    flattens into buckets too); the model itself exists once.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], num_logical_workers: int) -> None:
+        if num_logical_workers < 1:
+            raise ValueError(f"num_logical_workers must be >= 1, got {num_logical_workers}")
+        self.params = list(params)
+        self.num_logical_workers = num_logical_workers
+        self.kept: list[tuple[int, torch.Tensor]] = []
+
+    def keep(self, logical_worker: int) -> None:
+        """Move the current gradients out as ``logical_worker``'s and zero them."""
+        if not 0 <= logical_worker < self.num_logical_workers:
+            raise ValueError(
+                f"logical worker {logical_worker} not in 0..{self.num_logical_workers - 1}"
+            )
+        if any(w == logical_worker for w, _ in self.kept):
+            raise ValueError(f"logical worker {logical_worker} ran twice in one step")
+        pieces = []
+        for p in self.params:
+            if p.grad is None:
+                pieces.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
+            else:
+                pieces.append(p.grad.detach().reshape(-1).clone())
+                p.grad.zero_()
+        self.kept.append((logical_worker, torch.cat(pieces) if pieces else torch.zeros(0)))
+
+    def reduce(self, group: dist.ProcessGroup | None = None, *, local: bool = False) -> None:
+        """Set every parameter's gradient to the mean over all logical workers, exactly.
+
+        Collective over ``group`` (the data-parallel group): every process must call it with
+        its own kept logical workers. Raises NonFiniteGradient (on every process) before
+        anything is written when a logical worker's gradient holds NaN or Inf. ``local``:
+        this process's kept logical workers only, no communication (see :func:`exact_sum`).
+        """
+        assert self.kept, "reduce() before any logical worker was kept"
+        try:
+            total = exact_sum(
+                self.kept, num_logical_workers=self.num_logical_workers, group=group, local=local
+            )
+        finally:
+            self.kept = []
+        # One multiplication after the exact sum: the same bits on every process.
+        total.mul_(1.0 / self.num_logical_workers)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            piece = total[offset : offset + n].view_as(p)
+            if p.grad is None:
+                p.grad = piece.clone()
+            else:
+                p.grad.copy_(piece)
+            offset += n
+        assert offset == total.numel()

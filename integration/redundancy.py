@@ -30,17 +30,17 @@ from __future__ import annotations
 import hashlib
 import inspect
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from deepspeed.runtime.pipe import schedule as ds_schedule
 from deepspeed.runtime.pipe.schedule import PipeInstruction
 
 from spotline.clipping import apply_clip
-from spotline.engine import Batch, SpotlinePipelineEngine, rebind_instruction_map
+from spotline.engine import INSTRUCTIONS, Batch, SpotlinePipelineEngine, rebind_instruction_map
+from spotline.exact import LogicalGradients
 from spotline.plan import schedule as plan
 
 
@@ -99,52 +99,20 @@ class ReplicaStep(PipeInstruction):
     """
 
 
-INSTRUCTIONS: dict[str, type[PipeInstruction]] = {
-    cls.__name__: cls
-    for cls in (
-        ds_schedule.LoadMicroBatch,
-        ds_schedule.ForwardPass,
-        ds_schedule.BackwardPass,
-        ds_schedule.SendActivation,
-        ds_schedule.RecvActivation,
-        ds_schedule.SendGrad,
-        ds_schedule.RecvGrad,
-        ds_schedule.ReduceTiedGrads,
-        ds_schedule.ReduceGrads,
-        ds_schedule.OptimizerStep,
-        StashOutput,
-        StashInputGrad,
-        ReplicaLoad,
-        RedundantForward,
-        ReplicaGradSend,
-        ReplicaGradRecv,
-        ReplicaStep,
-    )
-}
-
-
-class LoweredSchedule:
-    """A plan.Schedule lowered for one pipeline position, in the shape ``_exec_schedule`` runs.
-
-    Lowered once per engine; instructions hold only their kwargs, so every step iterates
-    the same objects.
-    """
-
-    def __init__(self, schedule: plan.Schedule, position: int) -> None:
-        self.schedule = schedule
-        self.position = position
-        self._steps = [
-            [INSTRUCTIONS[name](**kwargs) for name, kwargs in step]
-            for step in plan.lower(schedule, position)
-        ]
-
-    def num_pipe_buffers(self) -> int:
-        return plan.num_pipe_buffers(
-            self.schedule.num_stages, self.schedule.num_micro_batches, self.position
+INSTRUCTIONS.update(
+    {
+        cls.__name__: cls
+        for cls in (
+            StashOutput,
+            StashInputGrad,
+            ReplicaLoad,
+            RedundantForward,
+            ReplicaGradSend,
+            ReplicaGradRecv,
+            ReplicaStep,
         )
-
-    def __iter__(self) -> Iterator[list[PipeInstruction]]:
-        return iter(self._steps)
+    }
+)
 
 
 @dataclass
@@ -240,13 +208,9 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         self.replica: Replica | None = None
         if self.redundancy != "off":
             self.replica = Replica(self, (self.stage_id + 1) % self.num_stages, device)
-        self._plan = plan.add_redundancy(
-            plan.train_schedule(self.num_stages, self.micro_batches), self.redundancy
-        )
+        self._plan = plan.add_redundancy(self._plan, self.redundancy)
         plan.validate(self._plan)
-        self._lowered = LoweredSchedule(self._plan, self.stage_id)
         self.stash = StepStash()
-        self.batch_source: Callable[[int, int, int], Batch] | None = None
         self.replica_grads_from = "owner"  # or "replay": a test of the takeover path
         self._pending_send: dist.P2POp | None = None
         self.redundant_s = 0.0
@@ -269,14 +233,15 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         # sockets stay open until the process group times out).
         self.commit_barrier: Callable[[], None] = dist.barrier
 
-    # -- the schedule -------------------------------------------------------------------
-    def _train_schedule(self) -> LoweredSchedule:  # type: ignore[override]
-        return self._lowered
-
     def begin_step(self, *, seed: int, step: int, logical_worker: int) -> None:
         super().begin_step(seed=seed, step=step, logical_worker=logical_worker)
         self.stash = StepStash()
         self._clipped_this_step = False
+
+    def _exec_begin_logical_worker(self, index: int) -> None:
+        super()._exec_begin_logical_worker(index)
+        # Stashes are by micro-batch: a replay covers the logical worker that ran last.
+        self.stash = StepStash()
 
     def _phase(self, name: str) -> None:
         if self.phase_hook is not None:
@@ -473,6 +438,12 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
                     # The original's gradient first, as in _exec_reduce_tied_grads.
                     summed = held + other if mine == pair.original else other + held
                     held.copy_(summed)
+        if self.num_logical_workers == 1:
+            # The owner's gradients went through the exact reduction (of its one logical
+            # worker); the replayed ones take the same path, locally.
+            exact = LogicalGradients(replica.params, 1)
+            exact.keep(0)
+            exact.reduce(local=True)
         self.replay_s += time.perf_counter() - t0
 
     def exchange_replay_inputs(self) -> None:

@@ -10,8 +10,10 @@ order DeepSpeed performs it:
   over the micro-batches (on the pipeline they live on different stages) and are added
   once at the end (``ReduceTiedGrads``); so the reference unties the two parameters and
   adds their gradients itself;
-- the data-parallel reduction sums the pipelines' gradients, then scales by 1/pipelines
-  (DeepSpeed's post-scaled all-reduce); the reported loss is the same mean;
+- the data-parallel reduction is Spotline's exact one (``spotline.exact.LogicalGradients``,
+  here without communication) over the logical pipelines' gradients, then scaled by
+  1/pipelines; the reported loss is each pipeline's mean, added in pipeline order, divided
+  by their number;
 - torch's AdamW with the config's hyper-parameters.
 
 With dropout off and the determinism switch this is bitwise what the pipeline computes,
@@ -27,6 +29,7 @@ import torch
 from spotline import models
 from spotline.clipping import apply_clip, clip_coefficient, per_layer_sq_norms
 from spotline.config import RunConfig
+from spotline.exact import LogicalGradients
 from spotline.plan.sampler import GlobalSampler
 from spotline.runtime import configure_process, param_sha256, seed_everything
 
@@ -76,8 +79,8 @@ def train_reference(cfg: RunConfig) -> dict[str, Any]:
     # DeepSpeed's default is 1.0 when the key is absent.
     max_norm = float(cfg.deepspeed.get("gradient_clipping", 1.0))
     losses: list[float] = []
+    exact = LogicalGradients(params, num_pipelines)
     for step in range(sl.training.steps):
-        per_pipeline_grads: list[list[torch.Tensor]] = []
         per_pipeline_loss: list[torch.Tensor] = []
         for pipeline in range(num_pipelines):
             optimizer.zero_grad(set_to_none=True)
@@ -94,14 +97,10 @@ def train_reference(cfg: RunConfig) -> dict[str, Any]:
                 summed = embedding.grad + head.grad
                 embedding.grad.copy_(summed)
                 head.grad.copy_(summed)
-            per_pipeline_grads.append([p.grad.clone() for p in params])
+            exact.keep(pipeline)
             assert total is not None
             per_pipeline_loss.append(total / num_micro_batches)
-        for i, p in enumerate(params):
-            reduced = per_pipeline_grads[0][i]
-            for pipeline in range(1, num_pipelines):
-                reduced = reduced + per_pipeline_grads[pipeline][i]
-            p.grad = reduced.mul_(1.0 / num_pipelines)
+        exact.reduce(local=True)
         loss_sum = per_pipeline_loss[0]
         for pipeline in range(1, num_pipelines):
             loss_sum = loss_sum + per_pipeline_loss[pipeline]

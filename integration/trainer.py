@@ -19,7 +19,9 @@ import torch.distributed as dist
 from spotline import data as sl_data
 from spotline import models
 from spotline.config import RunConfig
-from spotline.engine import Batch, build_engine, deepspeed_config_for, step_batches
+from spotline.engine import Batch, build_engine, deepspeed_config_for
+from spotline.plan.layout import pipeline_name
+from spotline.plan.logical import assign_logical_workers
 from spotline.plan.sampler import GlobalSampler
 from spotline.redundancy import RedundantPipelineEngine
 from spotline.runtime import (
@@ -110,26 +112,12 @@ class Worker:
     engine: RedundantPipelineEngine
     setup_s: float
 
-    @property
-    def pipeline_id(self) -> int:
-        return int(self.engine.grid.data_parallel_id)
-
     def get_batch(self, step: int, logical_worker: int, micro_batch: int) -> Batch:
         return self.corpus.batch(self.sampler.indices(step, logical_worker, micro_batch))
 
     def train_step(self, step: int) -> float:
-        """Run optimizer step ``step`` (0-based); returns the mean loss over pipelines."""
-        sl = self.cfg.spotline
-        self.engine.begin_step(seed=sl.training.seed, step=step, logical_worker=self.pipeline_id)
-        loss = self.engine.train_batch(
-            data_iter=step_batches(
-                self.get_batch,
-                step=step,
-                logical_worker=self.pipeline_id,
-                num_micro_batches=self.cfg.num_micro_batches,
-            )
-        )
-        return float(loss)
+        """Run optimizer step ``step`` (0-based); returns the mean loss over logical workers."""
+        return self.engine.train_step(seed=self.cfg.spotline.training.seed, step=step)
 
     def replica_mismatches(self) -> list[int] | None:
         """Stages whose replica differs from the owner's state (gathered on every rank).
@@ -158,6 +146,14 @@ def setup_worker(cfg: RunConfig) -> Worker:
     )
     seed_everything(sl.training.seed)
     hf_config, corpus = prepare_inputs(cfg)
+    if cfg.num_pipelines < cfg.num_physical_pipelines:
+        from spotline.errors import UserError
+
+        raise UserError(
+            f"--logical-workers {cfg.num_pipelines} is fewer than the "
+            f"{cfg.num_physical_pipelines} pipelines {cfg.num_workers} processes form; use at "
+            f"least {cfg.num_physical_pipelines} logical workers or fewer processes"
+        )
     if ident.world_size != cfg.num_workers:
         from spotline.errors import UserError
 
@@ -176,7 +172,7 @@ def setup_worker(cfg: RunConfig) -> Worker:
     )
     engine = build_engine(
         module,
-        deepspeed_config_for(cfg.deepspeed, num_pipelines=cfg.num_pipelines),
+        deepspeed_config_for(cfg.deepspeed, num_pipelines=cfg.num_physical_pipelines),
         RedundantPipelineEngine,
         redundancy=sl.redundancy.mode,
         replica_device=sl.redundancy.replica_device,
@@ -198,6 +194,13 @@ def setup_worker(cfg: RunConfig) -> Worker:
         setup_s=time.perf_counter() - t_setup,
     )
     engine.batch_source = worker.get_batch
+    # Static placement (this launcher never rescales): logical workers spread evenly.
+    assignment = assign_logical_workers(
+        cfg.num_pipelines, {pipeline_name(p): 1.0 for p in range(cfg.num_physical_pipelines)}
+    )
+    engine.set_logical_workers(
+        cfg.num_pipelines, assignment[pipeline_name(engine.grid.data_parallel_id)]
+    )
     return worker
 
 
@@ -251,7 +254,8 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "step_time_s": sorted(step_times)[len(step_times) // 2],
             "workers": cfg.num_workers,
             "stages": cfg.num_stages,
-            "pipelines": cfg.num_pipelines,
+            "pipelines": cfg.num_physical_pipelines,
+            "logical_workers": cfg.num_pipelines,
             "micro_batch_size": cfg.micro_batch_size,
             "micro_batches": cfg.num_micro_batches,
             "model": sl.model.name,

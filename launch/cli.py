@@ -104,12 +104,24 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def validate_recovery(cfg: Any) -> None:
     """Recovery inputs a user can get wrong: inject specs, trace files, rates."""
-    from spotline.plan.chaos import check_injections, parse_injections, replay_trace
+    from spotline.plan.chaos import (
+        check_injections,
+        check_rescales,
+        parse_injections,
+        parse_rescales,
+        replay_trace,
+    )
     from spotline.plan.traces import load_trace
 
     rec = cfg.spotline.recovery
     injections = parse_injections(rec.inject)
     check_injections(injections, num_workers=cfg.num_workers, num_steps=cfg.spotline.training.steps)
+    check_rescales(
+        parse_rescales(cfg.spotline.elasticity.rescale),
+        num_steps=cfg.spotline.training.steps,
+        num_stages=cfg.num_stages,
+        max_workers=rec.max_workers or 64,
+    )
     if rec.trace is not None:
         if not Path(rec.trace).is_file():
             raise UserError(
@@ -120,7 +132,7 @@ def validate_recovery(cfg: Any) -> None:
         except ValueError as exc:
             raise UserError(f"--trace {rec.trace}: {exc}") from None
         cap = rec.max_workers or cfg.num_workers
-        need = cfg.num_stages * cfg.num_pipelines
+        need = cfg.num_stages * cfg.num_physical_pipelines
         # The smallest layout the planner runs (stages folded onto fewer workers) still
         # needs one worker per pipeline; a full one needs `need`. Ask for the full one: a
         # trace that never reaches it would train a degraded pipeline or wait forever.
@@ -136,7 +148,7 @@ def validate_recovery(cfg: Any) -> None:
                 raise UserError(
                     f"--trace {rec.trace}: at most {peak} worker(s) are ever live (with "
                     f"--max-workers {cap}), fewer than the {need} that {cfg.num_stages} "
-                    f"stage(s) x {cfg.num_pipelines} pipeline(s) need; raise --max-workers or "
+                    f"stage(s) x {cfg.num_physical_pipelines} pipeline(s) need; raise --max-workers or "
                     "use fewer stages or workers"
                 )
     if rec.time_scale <= 0:
@@ -155,7 +167,8 @@ def format_summary(s: dict[str, Any], output: Path) -> str:
     return "\n".join(
         [
             f"spotline: trained {s['model']} for {s['steps']} steps on {s['workers']} workers "
-            f"({s['stages']} stages x {s['pipelines']} pipelines, redundancy {s['redundancy']})",
+            f"({s['stages']} stages x {s['pipelines']} pipelines running {s['logical_workers']} "
+            f"logical, redundancy {s['redundancy']})",
             f"  {loss}   {s['samples_per_s']:.1f} samples/s   {s['wall_s']:.1f} s",
             f"  preemptions {s['preemptions']}  recoveries {s['recoveries']}  "
             f"checkpoint fallbacks {s['checkpoint_fallbacks']}  steps redone {s.get('steps_redone', 0)}",

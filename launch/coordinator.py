@@ -34,9 +34,11 @@ from typing import Any
 from spotline.config import RunConfig
 from spotline.elastic import layout_to_json
 from spotline.plan.chaos import (
+    ScaleTo,
     TimedEvent,
     TraceReplay,
     parse_injections,
+    parse_rescales,
     random_preemptions,
     replay_trace,
     trace_cycle,
@@ -49,8 +51,10 @@ from spotline.plan.layout import (
     WorkerReport,
     choose_layout,
     initial_layout,
+    pipeline_name,
     plan_generation,
 )
+from spotline.plan.logical import assign_logical_workers, worth_moving
 from spotline.plan.traces import load_trace
 from spotline.report import Timeline, summarize_recoveries
 
@@ -132,6 +136,8 @@ class Coordinator:
         self.rate_mark: tuple[float, int] | None = None  # (time, step) of the last rate row
         self.best_progress = 0  # the furthest step ever started: redone steps are not new
         self.last_commit_check = 0.0
+        self.rescales: list[ScaleTo] = list(parse_rescales(self.sl.elasticity.rescale))
+        self.placements: list[dict[str, Any]] = []  # per generation: pipelines' logical workers
 
     # -- time and events --------------------------------------------------------------
     def now(self) -> float:
@@ -417,7 +423,29 @@ class Coordinator:
                 if wid in self.workers and self.workers[wid].alive:
                     self.signal_worker(wid, inj.signal)
 
-    def _arrival(self) -> None:
+    def _deliver_rescales(self) -> None:
+        """``--rescale STEP:M``: once a member starts step STEP, SIGKILL or start processes
+        until M worker processes live. Removals hit what costs least first: processes outside
+        the layout (standby, still starting), then whole pipelines from the last one."""
+        if not self.rescales or self.max_progress() < self.rescales[0].step:
+            return
+        due = self.rescales.pop(0)
+        live = [w for w in self.live_ids() if self.workers[w].fate == "running"]
+        self._event("rescale", at_step=due.step, workers=due.num_workers, live=len(live))
+        layout = self.layout
+
+        def loss_cost(w: str) -> tuple[int, int, int]:
+            if layout is None or w not in layout.members:
+                return (0, 0, 0)
+            pipeline, stage = layout.slot_of(w)
+            return (1, -pipeline, -stage)
+
+        for w in sorted(live, key=loss_cost)[: max(0, len(live) - due.num_workers)]:
+            self.signal_worker(w, "kill")
+        for _ in range(due.num_workers - len(live)):
+            self._arrival(awaited=True)
+
+    def _arrival(self, *, awaited: bool = False) -> None:
         warm = self.warm_ids()
         # A warm worker that has finished starting first; else the oldest still starting.
         joined = [w for w in warm if self.store.check([f"joined/{w}"])]
@@ -427,7 +455,7 @@ class Coordinator:
         else:
             wid = self.spawn(None)
         self._event("arrived", worker=wid)
-        if self.sl.recovery.trace_clock == "steps":
+        if awaited or self.sl.recovery.trace_clock == "steps":
             # Members stop a little ahead and wait for it, as for "--inject add:STEP": its
             # start-up must not decide at which step it trains.
             self.awaited_joiners.add(wid)
@@ -464,11 +492,46 @@ class Coordinator:
         return {
             "action": action,
             "layout": layout_to_json(layout) if layout is not None else None,
+            "logical": self._logical_assignment(layout),
             "resume_step": resume,
             "holders": {str(k): v for k, v in holders.items()},
             "sources": [list(x) for x in sources],
             **extra,
         }
+
+    def _logical_assignment(self, layout: Layout | None) -> dict[str, list[int]] | None:
+        """Which logical pipelines each physical pipeline of ``layout`` runs, in proportion to
+        the speeds its members measured (a pipeline is as fast as its slowest member; one
+        never measured counts as the median). Nothing moves with them but their ids: every
+        pipeline holds all the state of its stages. The workers rebalance as they measure."""
+        if layout is None:
+            return None
+        seconds: dict[str, float] = {}
+        for w, stats in self.worker_stats.items():
+            measured = stats.get("seconds_per_logical_worker")
+            if measured:
+                seconds[w] = float(measured)
+        known = sorted(seconds.values())
+        typical = known[len(known) // 2] if known else 1.0
+        speeds = {
+            pipeline_name(p): 1.0 / max(seconds.get(w, typical) for w in row)
+            for p, row in enumerate(layout.slots)
+        }
+        even = assign_logical_workers(self.cfg.num_pipelines, dict.fromkeys(speeds, 1.0))
+        assignment = assign_logical_workers(self.cfg.num_pipelines, speeds)
+        if not worth_moving(even, assignment, speeds):
+            # Measurements are noisy: an even split unless speeds clearly differ.
+            assignment = even
+        self.placements.append(
+            {
+                "generation": self.generation,
+                "pipelines": [
+                    {"workers": list(row), "logical_workers": list(assignment[pipeline_name(p)])}
+                    for p, row in enumerate(layout.slots)
+                ],
+            }
+        )
+        return {p: list(ws) for p, ws in assignment.items()}
 
     def run(self) -> dict[str, Any]:
         S, P = self.cfg.num_stages, self.cfg.num_pipelines
@@ -477,7 +540,7 @@ class Coordinator:
         ids = [self.spawn(0) for _ in range(initial)]
         self.initial_ids = list(ids)
         self._keep_warm()
-        self.layout = initial_layout(S, P, ids)
+        self.layout = initial_layout(S, P, ids, elastic=True)
         self._publish(0, self._plan_json("train", self.layout, 0, {}, []))
         self._event("start", workers=len(ids))
         t_start = time.monotonic()
@@ -559,6 +622,7 @@ class Coordinator:
             self._poll_processes()
             self._deliver_timed_events()
             self._deliver_step_injections()
+            self._deliver_rescales()
             joiners = self.joined_waiting()
             if joiners:
                 return joiners
@@ -596,6 +660,7 @@ class Coordinator:
             self._check_heartbeats()
             self._deliver_timed_events()
             self._deliver_step_injections()
+            self._deliver_rescales()
             self._admit_joiners()
             self._show_progress()
             self._record_throughput()
@@ -706,7 +771,7 @@ class Coordinator:
         if self.sl.recovery.mode == "checkpoint-restart" and failure:
             self._restart_all(reports, reached)
             return
-        result: GenerationPlan | FatalLoss = plan_generation(g, S, P, reports)
+        result: GenerationPlan | FatalLoss = plan_generation(g, S, P, reports, elastic=True)
         never_trained = (
             self.resume_step == 0
             and not any(r.holdings for r in reports)
@@ -714,7 +779,7 @@ class Coordinator:
         )
         if isinstance(result, FatalLoss) and never_trained:
             # Nothing was trained yet: every worker builds the initial weights itself.
-            layout = choose_layout(S, P, reports, usable={})
+            layout = choose_layout(S, P, reports, usable={}, elastic=True)
             for r in reports:
                 if r.worker not in self.included:
                     self.include(r.worker, g)
@@ -804,7 +869,7 @@ class Coordinator:
             return
         if step is None:
             # No checkpoint yet: the only consistent state is the start.
-            layout = choose_layout(S, P, everyone, usable={})
+            layout = choose_layout(S, P, everyone, usable={}, elastic=True)
             self.steps_redone += reached
             self.layout, self.resume_step = layout, 0
             self._publish(g, self._plan_json("train", layout, 0, {}, []))
@@ -817,7 +882,7 @@ class Coordinator:
                 return
         else:
             usable = {s: [r.worker for r in reports] for s in range(S)}
-            layout = choose_layout(S, P, everyone, usable=usable)
+            layout = choose_layout(S, P, everyone, usable=usable, elastic=True)
             self.steps_redone += max(0, reached - step)
             self.layout, self.resume_step = layout, step
             holders = {s: list(usable[s]) for s in range(S)}
@@ -888,7 +953,22 @@ class Coordinator:
             "step_times_s": [self.step_times.get(s) for s in range(steps)],
             "workers": self.cfg.num_workers,
             "stages": self.cfg.num_stages,
-            "pipelines": self.cfg.num_pipelines,
+            "pipelines": self.cfg.num_physical_pipelines,
+            "logical_workers": self.cfg.num_pipelines,
+            # Which physical pipeline (its workers) ran which logical pipelines, per generation,
+            # and the moves the workers made as they measured speeds (step, per pipeline).
+            "logical_placements": self.placements,
+            "logical_rebalances": [
+                json.loads(text)
+                for text in sorted(
+                    {
+                        json.dumps(entry, sort_keys=True)
+                        for st in self.worker_stats.values()
+                        for entry in st.get("placements", [])
+                        if entry["step"] >= 0
+                    }
+                )
+            ],
             "micro_batch_size": self.cfg.micro_batch_size,
             "micro_batches": self.cfg.num_micro_batches,
             "model": self.sl.model.name,

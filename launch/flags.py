@@ -31,6 +31,8 @@ FLAG_KEYS: dict[str, str] = {
     "checkpoint_interval": "spotline.checkpoints.interval_steps",
     "store": "spotline.recovery.store",
     "etcd_endpoint": "spotline.recovery.etcd_endpoint",
+    "logical_workers": "spotline.elasticity.logical_workers",
+    "rescale": "spotline.elasticity.rescale",
     "micro_batch_size": "train_micro_batch_size_per_gpu",
     "micro_batches": "gradient_accumulation_steps",
 }
@@ -53,6 +55,12 @@ def add_run_flags(parser: argparse.ArgumentParser, *, with_workers: bool) -> Non
     )
     parser.add_argument("--tokenizer", help="a tokenizer directory (default: built-in byte-level)")
     parser.add_argument("--redundancy", help="off, lazy or eager (Bamboo redundant computation)")
+    parser.add_argument(
+        "--logical-workers",
+        type=int,
+        help="logical data-parallel pipelines N (EasyScale): the math of N pipelines whatever "
+        "the number of processes (default: workers / stages)",
+    )
     parser.add_argument("--micro-batch-size", type=int, help="sequences per micro-batch")
     parser.add_argument("--micro-batches", type=int, help="micro-batches per pipeline per step")
     parser.add_argument("--wandb", help="offline (default), online or disabled")
@@ -105,6 +113,11 @@ def add_recovery_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--store", help="membership store: tcp (hosted by the coordinator) or etcd")
     parser.add_argument(
         "--etcd-endpoint", help="host:port of an etcd cluster (v2 API enabled) for --store etcd"
+    )
+    parser.add_argument(
+        "--rescale",
+        metavar="STEP:M[,STEP:M...]",
+        help="change the number of worker processes to M at each STEP (removals by SIGKILL)",
     )
     parser.add_argument(
         "--inject",

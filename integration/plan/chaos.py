@@ -409,3 +409,72 @@ def live_workers_over_time(
         count += event.count if event.kind == "add" else -event.count
         points.append((event.at_s, count))
     return points
+
+
+# --------------------------------------------------------------------------- rescales
+
+RESCALE_FORM = "STEP:M[,STEP:M...] with increasing steps and M >= 1 processes"
+
+
+@dataclass(frozen=True)
+class ScaleTo:
+    """``--rescale STEP:M``: at the boundary of step ``step`` the job runs on ``num_workers``
+    worker processes; the coordinator kills (SIGKILL) or starts the difference."""
+
+    step: int
+    num_workers: int
+
+    def __str__(self) -> str:
+        return f"{self.step}:{self.num_workers}"
+
+
+def parse_rescales(text: str | None) -> tuple[ScaleTo, ...]:
+    """Parse ``--rescale``: comma-separated ``STEP:M``, steps strictly increasing, M >= 1.
+
+    None or empty text: no rescale. Malformed text raises UserError naming the bad part.
+    """
+    if text is None or not text.strip():
+        return ()
+    out: list[ScaleTo] = []
+    for part in text.split(","):
+        fields = part.strip().split(":")
+        if len(fields) != 2 or not all(_INTEGER_RE.match(f) for f in fields):
+            raise UserError(
+                f"--rescale {text!r}: bad part {part.strip()!r}; expected {RESCALE_FORM}"
+            )
+        rescale = ScaleTo(int(fields[0]), int(fields[1]))
+        if rescale.num_workers < 1:
+            raise UserError(
+                f"--rescale {text!r}: {rescale} leaves no process; expected {RESCALE_FORM}"
+            )
+        if out and rescale.step <= out[-1].step:
+            raise UserError(
+                f"--rescale {text!r}: step {rescale.step} does not come after step "
+                f"{out[-1].step}; expected {RESCALE_FORM}"
+            )
+        out.append(rescale)
+    return tuple(out)
+
+
+def check_rescales(
+    rescales: Sequence[ScaleTo], *, num_steps: int, num_stages: int, max_workers: int
+) -> None:
+    """UserError unless every rescale fits the run: a step inside it (after step 0, which
+    the start already has), at least ``num_stages`` processes (one pipeline), and at most
+    ``max_workers``."""
+    for rescale in rescales:
+        if not 0 < rescale.step < num_steps:
+            raise UserError(
+                f"--rescale {rescale}: step {rescale.step} is not inside the run; use a step "
+                f"from 1 to {num_steps - 1}"
+            )
+        if rescale.num_workers < num_stages:
+            raise UserError(
+                f"--rescale {rescale}: {rescale.num_workers} process(es) cannot hold the "
+                f"{num_stages} stages of one pipeline; use at least {num_stages}"
+            )
+        if rescale.num_workers > max_workers:
+            raise UserError(
+                f"--rescale {rescale}: {rescale.num_workers} processes exceed --max-workers "
+                f"{max_workers}; raise --max-workers or rescale to fewer"
+            )

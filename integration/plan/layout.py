@@ -44,6 +44,13 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 
+def pipeline_name(pipeline: int) -> str:
+    """A physical pipeline's name as ``spotline.plan.logical`` assigns logical workers to it:
+    zero-padded, so that name order is index order (``p0002`` before ``p0010``)."""
+    assert pipeline >= 0
+    return f"p{pipeline:04d}"
+
+
 @dataclass(frozen=True)
 class Holding:
     """One logical stage's state on one worker: ``version`` steps applied; ``ready``: it also

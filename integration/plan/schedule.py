@@ -783,3 +783,48 @@ def lower(schedule: Schedule, position: int) -> list[list[tuple[str, dict[str, i
             lowered.append((_INSTRUCTION_NAMES[action.kind], kwargs))
         out.append(lowered)
     return out
+
+
+# --------------------------------------------------------------------------- logical workers
+
+BEGIN_LOGICAL_WORKER = "BeginLogicalWorker"
+KEEP_LOGICAL_GRADIENTS = "KeepLogicalGradients"
+_TAIL_NAMES = frozenset(_INSTRUCTION_NAMES[kind] for kind in _TAIL)
+
+
+def lower_logical_step(
+    schedule: Schedule, position: int, num_hosted: int
+) -> list[list[tuple[str, dict[str, int]]]]:
+    """One optimizer step of a pipeline that hosts ``num_hosted`` logical workers (EasyScale).
+
+    The pipeline runs its logical workers one after another: for the ``i``-th hosted one,
+    ``BeginLogicalWorker(index=i)`` (its randomness and data from here on), the schedule's
+    body (every step up to the end-of-batch actions, as :func:`lower` gives it), then
+    ``ReduceTiedGrads`` (the tied copies of this logical worker's own gradients) and
+    ``KeepLogicalGradients(index=i)`` (its gradients are moved aside and zeroed, so the next
+    logical worker's never add into them). The step ends with the schedule's other
+    end-of-batch actions once: ``ReduceGrads`` (the exact reduction over every logical
+    worker of the job), the replica's exchange and the optimizer steps.
+
+    With one hosted logical worker this is :func:`lower` plus the two bookkeeping
+    instructions. Pure: the runtime executes the list in order, step after step.
+    """
+    if num_hosted < 1:
+        raise ValueError(f"a pipeline must host at least one logical worker, got {num_hosted}")
+    lowered = lower(schedule, position)
+    *head, last = lowered
+    split = len(last)
+    while split > 0 and last[split - 1][0] in _TAIL_NAMES:
+        split -= 1
+    body = [*head, last[:split]]
+    tail = last[split:]
+    reduce_tied = _INSTRUCTION_NAMES[ActionKind.REDUCE_TIED_GRADS]
+    assert tail and tail[0][0] == reduce_tied, f"unexpected end of batch {tail}"
+    out: list[list[tuple[str, dict[str, int]]]] = []
+    for index in range(num_hosted):
+        steps = [list(step) for step in body]
+        steps[0].insert(0, (BEGIN_LOGICAL_WORKER, {"index": index}))
+        steps[-1] += [(reduce_tied, {}), (KEEP_LOGICAL_GRADIENTS, {"index": index})]
+        out += steps
+    out[-1] += tail[1:]
+    return out
