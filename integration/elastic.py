@@ -397,21 +397,23 @@ class ElasticWorker:
         world = len(layout.members)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
         t0 = time.perf_counter()
-        dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore(f"pg/{generation}", self.store),
-            rank=rank,
-            world_size=world,
-            timeout=timedelta(seconds=sl.recovery.collective_timeout_s),
-        )
-        import deepspeed
-        import deepspeed.ops
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
-        outcome = "failed"
+        # Watched from here on: a peer lost while the group, the engine or the state transfer
+        # is being set up must unblock this process as it would mid-step.
         self._training_generation = generation
+        outcome = "failed"
         try:
+            dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore(f"pg/{generation}", self.store),
+                rank=rank,
+                world_size=world,
+                timeout=timedelta(seconds=sl.recovery.collective_timeout_s),
+            )
+            import deepspeed
+            import deepspeed.ops
+
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+            deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
             engine = self._build_engine(layout)
             self._place_logical_workers(engine, plan["logical"])
             self._load_state(engine, layout, plan)

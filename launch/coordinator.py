@@ -424,13 +424,34 @@ class Coordinator:
                     self.signal_worker(wid, inj.signal)
 
     def _deliver_rescales(self) -> None:
-        """``--rescale STEP:M``: once a member starts step STEP, SIGKILL or start processes
-        until M worker processes live. Removals hit what costs least first: processes outside
-        the layout (standby, still starting), then whole pipelines from the last one."""
-        if not self.rescales or self.max_progress() < self.rescales[0].step:
+        """``--rescale STEP:M``: from step STEP on, M worker processes train.
+
+        Growth starts the new processes a little ahead (as ``--inject add:STEP`` does): the
+        members stop at STEP and wait for them to join. A removal waits until the last
+        growth's processes have joined, then SIGKILLs, once a member has started STEP, what
+        costs least first: processes outside the layout (standby), then whole pipelines
+        from the last one."""
+        if not self.rescales:
             return
-        due = self.rescales.pop(0)
+        due = self.rescales[0]
+        progress = self.max_progress()
         live = [w for w in self.live_ids() if self.workers[w].fate == "running"]
+        if due.num_workers > len(live):
+            # Not while the last change is still being recovered from: its generation must
+            # train before this one replaces it.
+            if progress < due.step - 2 or self.pending_failure_t is not None:
+                return
+            self.rescales.pop(0)
+            self._event("rescale", at_step=due.step, workers=due.num_workers, live=len(live))
+            for _ in range(due.num_workers - len(live)):
+                self._arrival(awaited=True, at_step=due.step)
+            return
+        if progress < due.step or self.awaited_joiners:
+            return
+        members = self._members()
+        if not all(self.store.check([f"ready/{self.generation}/{w}"]) for w in members):
+            return  # the generation is still being set up: remove from a training one
+        self.rescales.pop(0)
         self._event("rescale", at_step=due.step, workers=due.num_workers, live=len(live))
         layout = self.layout
 
@@ -440,12 +461,10 @@ class Coordinator:
             pipeline, stage = layout.slot_of(w)
             return (1, -pipeline, -stage)
 
-        for w in sorted(live, key=loss_cost)[: max(0, len(live) - due.num_workers)]:
+        for w in sorted(live, key=loss_cost)[: len(live) - due.num_workers]:
             self.signal_worker(w, "kill")
-        for _ in range(due.num_workers - len(live)):
-            self._arrival(awaited=True)
 
-    def _arrival(self, *, awaited: bool = False) -> None:
+    def _arrival(self, *, awaited: bool = False, at_step: int | None = None) -> None:
         warm = self.warm_ids()
         # A warm worker that has finished starting first; else the oldest still starting.
         joined = [w for w in warm if self.store.check([f"joined/{w}"])]
@@ -459,7 +478,7 @@ class Coordinator:
             # Members stop a little ahead and wait for it, as for "--inject add:STEP": its
             # start-up must not decide at which step it trains.
             self.awaited_joiners.add(wid)
-            self._request_boundary()
+            self._request_boundary(at_step)
         self._keep_warm()
 
     def _admit_joiners(self) -> None:
@@ -471,10 +490,13 @@ class Coordinator:
                 # A step boundary a little ahead, so that every member sees it in time.
                 self._request_boundary()
 
-    def _request_boundary(self) -> None:
+    def _request_boundary(self, at_step: int | None = None) -> None:
+        """Ask the members to stop at a step boundary (``at_step``, or a little ahead so that
+        every member sees it in time)."""
         key = f"stop/{self.generation}"
         if not self.store.check([key]):
-            self.store.set(key, str(self.max_progress() + 2))
+            ahead = self.max_progress() + 2
+            self.store.set(key, str(ahead if at_step is None else max(at_step, ahead)))
 
     # -- generations ------------------------------------------------------------------
     def _publish(self, generation: int, plan: dict[str, Any]) -> None:

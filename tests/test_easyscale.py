@@ -1,0 +1,160 @@
+"""EasyScale in Spotline: N logical pipelines on any number of processes, bitwise the same.
+
+Every test runs `spotline train` (coordinator + real worker processes on gloo) with dropout
+on, and compares `param_sha256` (and every step's loss) exactly with the same logical
+topology on a different number of processes. The processes change under the run by
+`--rescale` (SIGKILL removals, new processes joining in place), `--inject` kills and
+arrivals, a fatal loss restored from a checkpoint, and a slow process whose logical workers
+are moved to a faster one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from conftest import small_config
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+STEPS = 6
+# Dropout on (gpt2-tiny's default): the logical worker, not the process, owns the masks.
+CONFIG = small_config(training={"steps": STEPS})
+
+
+def train(spotline_train: Any, workers: int, logical: int, *flags: str, **sections: Any) -> Any:
+    config = small_config(training={"steps": STEPS}, **sections) if sections else CONFIG
+    return spotline_train(
+        config,
+        "--workers",
+        str(workers),
+        "--logical-workers",
+        str(logical),
+        *(flags or ("--stages", "1")),
+        name=f"m{workers}-n{logical}-{len(flags)}",
+    )
+
+
+def placement(summary: dict[str, Any], generation: int = 0) -> list[list[int]]:
+    entry = next(p for p in summary["logical_placements"] if p["generation"] == generation)
+    return [pipeline["logical_workers"] for pipeline in entry["pipelines"]]
+
+
+@pytest.fixture(scope="module")
+def four_logical_on_four(tmp_path_factory: Any) -> dict[str, Any]:
+    """The static run every N=4, one-stage test compares with: one process per logical worker."""
+    from conftest import read_summary, run_spotline, write_config
+
+    root = tmp_path_factory.mktemp("n4")
+    cfg = write_config(root / "c.json", CONFIG)
+    proc = run_spotline(
+        ["train", "--config", str(cfg), "--output", str(root / "run"), "--workers", "4"]
+        + ["--stages", "1", "--logical-workers", "4"]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_summary(root / "run")
+    assert placement(summary) == [[0], [1], [2], [3]]
+    return summary
+
+
+def same_run(summary: dict[str, Any], baseline: dict[str, Any]) -> None:
+    assert summary["param_sha256"] == baseline["param_sha256"]
+    assert summary["losses"] == baseline["losses"]  # exact floats, every step
+
+
+@pytest.mark.parametrize(
+    ("workers", "hosted"), [(1, [[0, 1, 2, 3]]), (2, [[0, 1], [2, 3]]), (3, [[0, 1], [2], [3]])]
+)
+def test_four_logical_workers_on_fewer_processes_train_the_same_parameters(
+    spotline_train, four_logical_on_four, workers, hosted
+) -> None:
+    summary = train(spotline_train, workers, 4)
+    assert placement(summary) == hosted  # k logical workers run in turn on one process
+    assert summary["logical_workers"] == 4 and summary["pipelines"] == workers
+    same_run(summary, four_logical_on_four)
+
+
+def test_six_logical_workers_on_four_processes_equal_six_and_one(spotline_train) -> None:
+    # Six processes exceed the suite's usual four: the acceptance case names them; the model
+    # is tiny and the run short, so it still fits two cores.
+    uneven = train(spotline_train, 4, 6)
+    assert sorted(len(ws) for ws in placement(uneven)) == [1, 1, 2, 2]
+    for workers in (6, 1):
+        same_run(train(spotline_train, workers, 6), uneven)
+
+
+def test_rescaled_four_two_three_one_equals_the_static_run(
+    spotline_train, four_logical_on_four
+) -> None:
+    summary = train(spotline_train, 4, 4, "--stages", "1", "--rescale", "2:2,3:3,5:1")
+    same_run(summary, four_logical_on_four)
+    # The run really went 4 -> 2 -> 3 -> 1 processes, in place: SIGKILLs, an arrival, no
+    # checkpoint (none is written), no restart.
+    sizes = [len(placement(summary, p["generation"])) for p in summary["logical_placements"]]
+    assert sizes[0] == 4 and sizes[-1] == 1 and 2 in sizes and 3 in sizes
+    assert summary["preemptions"] == 4
+    assert summary["checkpoint_fallbacks"] == 0
+    assert all(event["recovery_s"] > 0 for event in summary["recovery_events"])
+
+
+def test_a_killed_process_replaced_by_a_new_one_equals_the_static_run(
+    spotline_train, four_logical_on_four
+) -> None:
+    summary = train(
+        spotline_train, 4, 4, "--stages", "1", "--inject", "kill:2:1", "--inject", "add:4"
+    )
+    same_run(summary, four_logical_on_four)
+    assert summary["preemptions"] == 1 and summary["checkpoint_fallbacks"] == 0
+    assert len(placement(summary, summary["generations"] - 1)) == 4  # back to four
+
+
+def test_two_logical_pipelines_of_two_stages_on_two_and_four_processes(spotline_train) -> None:
+    one_pipeline = train(spotline_train, 2, 2, "--stages", "2")
+    two_pipelines = train(spotline_train, 4, 2, "--stages", "2")
+    assert placement(one_pipeline) == [[0, 1]] and placement(two_pipelines) == [[0], [1]]
+    same_run(one_pipeline, two_pipelines)
+
+
+def test_a_fatal_loss_restored_from_a_checkpoint_on_fewer_processes_continues_bitwise(
+    spotline_train,
+) -> None:
+    static = train(spotline_train, 4, 2, "--stages", "2")
+    # Without redundancy both stage-0 workers hold stage 0's only copies: killing both is a
+    # fatal loss; the two survivors restore from the checkpoint of step 2 and run both
+    # logical pipelines on one physical pipeline.
+    summary = train(
+        spotline_train,
+        4,
+        2,
+        "--stages",
+        "2",
+        "--checkpoint-interval",
+        "2",
+        "--inject",
+        "kill:3:0",
+        "--inject",
+        "kill:3:1",
+    )
+    assert summary["checkpoint_fallbacks"] == 1
+    assert placement(summary, summary["generations"] - 1) == [[0, 1]]
+    same_run(summary, static)
+
+
+def test_a_slow_process_is_given_fewer_logical_workers_and_the_math_holds(
+    spotline_train, four_logical_on_four
+) -> None:
+    summary = train(
+        spotline_train,
+        2,
+        4,
+        "--stages",
+        "1",
+        elasticity={"slow_worker": 1, "slow_factor": 4.0, "rebalance_every": 2},
+    )
+    same_run(summary, four_logical_on_four)
+    assert placement(summary) == [[0, 1], [2, 3]]  # nothing measured yet: an even split
+    # Worker w1 (pipeline 1) computes four times slower: the workers measure it and move
+    # logical workers to w0 (3 vs 1 is the proportional split of 4 at speeds 1 : 1/4).
+    moves = summary["logical_rebalances"]
+    assert moves, "no rebalance happened"
+    assert [len(ws) for ws in moves[-1]["pipelines"]] == [3, 1]
