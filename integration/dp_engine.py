@@ -50,7 +50,7 @@ from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE, DeepSpeedEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 
 from spotline.exact import LogicalGradients
-from spotline.runtime import derive_seed
+from spotline.runtime import seed_logical_worker
 
 LossFn = Callable[["ExactDataParallelEngine", Any], torch.Tensor]
 
@@ -275,9 +275,9 @@ class ExactDataParallelEngine(DeepSpeedEngine):  # type: ignore[misc]
 
         ``batches[w]`` are logical worker ``w``'s ``m`` micro-batches (only hosted ones are
         read); ``loss_fn(engine, micro_batch)`` runs the forward through the engine and
-        returns the micro-batch's (unscaled) loss. Before each forward the global torch RNG
-        is seeded with ``derive_seed(seed, step, w, micro_batch)``, so dropout belongs to the
-        logical worker. An error before the optimizer step (NonFiniteGradient included)
+        returns the micro-batch's (unscaled) loss. Before each forward the global torch, numpy
+        and Python RNGs are seeded from ``(seed, step, w, micro_batch)``
+        (``spotline.runtime.seed_logical_worker``), so dropout belongs to the logical worker. An error before the optimizer step (NonFiniteGradient included)
         leaves the parameters and optimizer untouched: the gradients and DeepSpeed's
         micro-step counter are put back to the start of the step, and the error is raised;
         the step can then be run again.
@@ -303,7 +303,7 @@ class ExactDataParallelEngine(DeepSpeedEngine):  # type: ignore[misc]
                 total: torch.Tensor | None = None
                 for micro_batch, batch in enumerate(micro_batches):
                     assert self.current_logical_worker == w
-                    torch.manual_seed(derive_seed(seed, step, w, micro_batch))
+                    seed_logical_worker(seed, step, w, micro_batch)
                     loss = loss_fn(self, batch)
                     value = loss.detach().float()
                     total = value if total is None else total + value

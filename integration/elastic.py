@@ -42,6 +42,7 @@ from spotline import models
 from spotline.checkpoint import CheckpointWriter, load_all
 from spotline.config import RunConfig
 from spotline.engine import build_engine, deepspeed_config_for
+from spotline.exact import NonFiniteGradient
 from spotline.plan import logical
 from spotline.plan.chaos import parse_injections
 from spotline.plan.layout import Holding, Layout, pipeline_name
@@ -271,6 +272,7 @@ class ElasticWorker:
         self.seconds_per_logical_worker: float | None = None
         self.placements: list[dict[str, Any]] = []
         self._measuring = False
+        self.error: str | None = None
 
     # -- plumbing ---------------------------------------------------------------------
     def _start_heartbeat(self) -> None:
@@ -385,6 +387,7 @@ class ElasticWorker:
                 else self.seconds_per_logical_worker
             ),
             "placements": self.placements,
+            "error": self.error,
         }
         self.store.set(f"report/{generation}/{self.wid}", json.dumps(report))
 
@@ -401,6 +404,7 @@ class ElasticWorker:
         # is being set up must unblock this process as it would mid-step.
         self._training_generation = generation
         outcome = "failed"
+        self.error = None
         try:
             dist.init_process_group(
                 "gloo",
@@ -419,11 +423,15 @@ class ElasticWorker:
             self._load_state(engine, layout, plan)
             self.store.set(f"ready/{generation}/{self.wid}", repr(time.perf_counter() - t0))
             outcome = self._train(engine, generation, resume)
+        except NonFiniteGradient as exc:
+            # Every rank raises it (the exact reduction's flags are all-reduced) before the
+            # step is applied: nothing to recover, the job must stop and say why.
+            self.error = f"step {self._engine_step()}: {exc}"
+            outcome = "non-finite"
         except (RuntimeError, dist.DistBackendError, ConnectionError) as exc:
             # A peer died or left mid-step; what this process holds survives in memory.
-            self._note(
-                f"generation {generation}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
-            )
+            self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            self._note(f"generation {generation}: {self.error}")
             outcome = "failed"
             # Tell every member at once (their watchdogs unblock them), and unblock our peers.
             self._training_generation = None
@@ -433,6 +441,10 @@ class ElasticWorker:
         self._training_generation = None
         self._teardown()
         return outcome
+
+    def _engine_step(self) -> int:
+        engine = getattr(self, "_engine", None)
+        return int(engine.rng_step) if engine is not None else -1
 
     def _note(self, text: str) -> None:
         print(f"[spotline {self.wid} {time.time():.2f}] {text}", flush=True)
@@ -737,7 +749,13 @@ class ElasticWorker:
             return  # data-parallel peers hold identical state: pipeline 0 writes it
         state = self._engine_stage_state(engine)
         for stage, st in state.items():
-            payload: dict[str, Any] = {"version": st.version}
+            # What a restore must agree with: everything else a logical worker owns (its
+            # samples, its dropout seeds) is a function of (seed, step, logical worker).
+            payload: dict[str, Any] = {
+                "version": st.version,
+                "logical_workers": self.cfg.num_pipelines,
+                "seed": self.cfg.spotline.training.seed,
+            }
             for name in st.params:
                 payload[f"param/{name}"] = st.params[name]
                 for key, value in st.opt[name].items():
@@ -753,8 +771,17 @@ class ElasticWorker:
         for label, payload in files.items():
             stage = int(label.split("-")[1])
             st = StageState(int(payload["version"]), {}, {})
+            for key, expected in (
+                ("logical_workers", self.cfg.num_pipelines),
+                ("seed", self.cfg.spotline.training.seed),
+            ):
+                if payload.get(key, expected) != expected:
+                    raise RuntimeError(
+                        f"checkpoint {label} of step {step} was written with {key} "
+                        f"{payload[key]}, this run has {expected}: it is another job's"
+                    )
             for key, value in payload.items():
-                if key == "version":
+                if key in ("version", "logical_workers", "seed"):
                     continue
                 kind, name = key.split("/", 1)
                 if kind == "param":

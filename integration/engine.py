@@ -26,7 +26,7 @@ from deepspeed.runtime.pipe.schedule import PipeInstruction
 from spotline.clipping import apply_clip, clip_coefficient, per_layer_sq_norms
 from spotline.exact import LogicalGradients
 from spotline.plan import schedule as plan
-from spotline.runtime import derive_seed
+from spotline.runtime import derive_seed, seed_logical_worker
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -186,6 +186,9 @@ class SpotlinePipelineEngine(PipelineEngine):
 
     def _exec_begin_logical_worker(self, index: int) -> None:
         self.rng_logical_worker = self.hosted_logical_workers[index]
+        # numpy and Python's random too (torch is reseeded per layer as well): anything a
+        # layer or loss draws belongs to the logical worker.
+        seed_logical_worker(self.rng_seed, self.rng_step, self.rng_logical_worker)
         # 1F1B runs each logical worker's forwards, and its backwards, in micro-batch order.
         self._num_forwards = 0
         self._num_backwards = 0

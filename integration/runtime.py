@@ -57,6 +57,16 @@ def derive_seed(*parts: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def seed_logical_worker(*coordinates: int) -> None:
+    """Seed torch, numpy and Python's ``random`` from a logical worker's coordinates (seed,
+    step, logical worker, ...): whatever a model or a loss draws belongs to the logical
+    worker, not to the process that happens to run it."""
+    seed = derive_seed(*coordinates)
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+    torch.manual_seed(seed)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (1 << 32))

@@ -288,36 +288,31 @@ def wait_ranks(procs: Sequence[subprocess.Popen[bytes]]) -> list[int]:
         time.sleep(0.05)
 
 
-def run_stock(config: Path, num_workers: int, run_dir: Path) -> dict[str, Any]:
-    """``num_workers`` ranks of ``spotline.launch.stock_worker``; returns rank 0's JSON.
+def run_rank_module(
+    module: str, args: Sequence[str], num_ranks: int, run_dir: Path, label: str
+) -> dict[str, Any]:
+    """``num_ranks`` ranks of ``python -m module *args --output run_dir/result.json`` on one
+    gloo group; returns the JSON rank 0 writes there.
 
     Each rank's output goes to ``run_dir/logs/worker-<rank>.log``. Raises RunFailed
-    (exit 1) when a rank fails.
+    (exit 1, naming ``label``) when a rank fails.
     """
     import json
 
     logs_dir = run_dir / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
-    result_path = run_dir / "stock.json"
+    result_path = run_dir / "result.json"
     result_path.unlink(missing_ok=True)
     port = free_port()
     procs: list[subprocess.Popen[bytes]] = []
-    cmd = [
-        sys.executable,
-        "-m",
-        "spotline.launch.stock_worker",
-        "--config",
-        str(config),
-        "--output",
-        str(result_path),
-    ]
+    cmd = [sys.executable, "-m", module, *args, "--output", str(result_path)]
     try:
-        for rank in range(num_workers):
+        for rank in range(num_ranks):
             with open(logs_dir / f"worker-{rank}.log", "wb") as log:
                 procs.append(
                     subprocess.Popen(
                         cmd,
-                        env=rank_env(rank, num_workers, port),
+                        env=rank_env(rank, num_ranks, port),
                         stdout=log,
                         stderr=subprocess.STDOUT,
                     )
@@ -327,9 +322,20 @@ def run_stock(config: Path, num_workers: int, run_dir: Path) -> dict[str, Any]:
         stop(procs)
         raise
     if any(c != 0 for c in codes) or not result_path.exists():
-        raise RunFailed(f"stock DeepSpeed ranks exited {codes}; see {logs_dir}/worker-*.log", 1)
+        raise RunFailed(f"{label} ranks exited {codes}; see {logs_dir}/worker-*.log", 1)
     result: dict[str, Any] = json.loads(result_path.read_text())
     return result
+
+
+def run_stock(config: Path, num_workers: int, run_dir: Path) -> dict[str, Any]:
+    """``num_workers`` ranks of ``spotline.launch.stock_worker``; returns rank 0's JSON."""
+    return run_rank_module(
+        "spotline.launch.stock_worker",
+        ["--config", str(config)],
+        num_workers,
+        run_dir,
+        "stock DeepSpeed",
+    )
 
 
 def run_rounds(
@@ -806,7 +812,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="side-by-side benchmarks of real training runs on this machine",
     )
     sub = parser.add_subparsers(
-        dest="bench", required=True, metavar="{foundation,redundancy,recovery,reduce}"
+        dest="bench", required=True, metavar="{foundation,redundancy,recovery,reduce,easyscale}"
     )
     sub.add_parser(
         "foundation", parents=[common], help="Spotline vs stock DeepSpeed PipelineEngine"
@@ -838,6 +844,14 @@ def build_parser() -> argparse.ArgumentParser:
     reduce.add_argument("--ranks", type=int, default=2, help="gloo processes (default 2)")
     reduce.add_argument(
         "--logical-workers", type=int, default=4, help="logical workers in all (default 4)"
+    )
+    easyscale = sub.add_parser(
+        "easyscale",
+        parents=[common],
+        help="logical workers: step time vs stock data parallelism, reduction, rescale, memory",
+    )
+    easyscale.add_argument(
+        "--workers", type=int, default=2, help="processes = logical workers (default 2)"
     )
     return parser
 
@@ -900,6 +914,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.bench == "recovery":
             report = bench_recovery(settings, args.trace, args.time_scale, args.max_workers)
             table = format_recovery(report)
+        elif args.bench == "easyscale":
+            from spotline.launch.bench_easyscale import bench_easyscale, format_easyscale
+
+            report = bench_easyscale(settings, args.workers)
+            table = format_easyscale(report)
         elif args.bench == "reduce":
             report = bench_reduce(settings, args.elements, args.ranks, args.logical_workers)
             table = format_reduce(report)

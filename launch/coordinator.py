@@ -138,6 +138,9 @@ class Coordinator:
         self.last_commit_check = 0.0
         self.rescales: list[ScaleTo] = list(parse_rescales(self.sl.elasticity.rescale))
         self.placements: list[dict[str, Any]] = []  # per generation: pipelines' logical workers
+        self.reconfigurations: list[dict[str, Any]] = []  # generation changes without a failure
+        self.generation_end_t: float | None = None
+        self.failures_without_loss = 0
 
     # -- time and events --------------------------------------------------------------
     def now(self) -> float:
@@ -730,7 +733,15 @@ class Coordinator:
             w = rep["worker"]
             self.peaks[w] = max(self.peaks.get(w, 0.0), rep.get("peak_rss_mib", 0.0))
             self.worker_stats[w] = rep
+        self.generation_end_t = first_report_t
         outcomes = {w: r["outcome"] for w, r in reports.items()}
+        errors = sorted({r["error"] for r in reports.values() if r.get("outcome") == "non-finite"})
+        if errors:
+            # Not a failure to recover from: the same step would give the same gradients.
+            raise RuntimeError(
+                f"{errors[0]}; the step was not applied. Lower the learning rate, enable "
+                "gradient_clipping or check the data"
+            )
         members = self._members()
         if members and all(outcomes.get(w) == "done" for w in members):
             return "done"
@@ -755,6 +766,15 @@ class Coordinator:
             and (w in self.included or w in self.joined_waiting())
         ]
         failure = any(o == "failed" for o in outcomes.values())
+        if failure and self.pending_failure_t is None:
+            # Every member failed but no process was lost: an error in the training itself
+            # (a model or optimizer error), which redoing the step would only repeat.
+            self.failures_without_loss += 1
+            if self.failures_without_loss >= 2:
+                error = next((r["error"] for r in reports.values() if r.get("error")), "unknown")
+                raise RuntimeError(f"training failed twice with no process lost: {error}")
+        elif failure:
+            self.failures_without_loss = 0
         self.generation = g + 1
         self._plan_next(live_reports, failure=failure, reached=reached)
         return "continue"
@@ -790,6 +810,9 @@ class Coordinator:
                     reports = [*reports, WorkerReport(w)]
             if self.awaited_joiners:
                 time.sleep(POLL_S)
+        # A change without a failure is timed from here: everyone has stopped and every
+        # awaited arrival has finished starting (its start-up is the cloud's boot time).
+        ready_t = self.now()
         if self.sl.recovery.mode == "checkpoint-restart" and failure:
             self._restart_all(reports, reached)
             return
@@ -850,10 +873,14 @@ class Coordinator:
             self.recoveries += 1
             started = self.pending_failure_t or self.now()
             self._await_recovered(g, started)
+        elif self.generation_end_t is not None:
+            self._await_recovered(g, max(ready_t, self.generation_end_t), failure=False)
         self.pending_failure_t = None
 
-    def _await_recovered(self, g: int, started: float) -> None:
-        """Recovery time: from the preemption to the first step committed after it."""
+    def _await_recovered(self, g: int, started: float, *, failure: bool = True) -> None:
+        """Recovery time: from the preemption to the first step committed after it. For a
+        change without a failure (an arrival, a departure at a boundary): from the end of
+        the last generation to the first step the new one commits."""
         target = self.resume_step + 1
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -866,6 +893,12 @@ class Coordinator:
                 break
             time.sleep(POLL_S)
         seconds = self.now() - started
+        if not failure:
+            self.reconfigurations.append(
+                {"generation": g, "resume_step": self.resume_step, "reconfigure_s": seconds}
+            )
+            self._event("reconfigured", generation=g, seconds=round(seconds, 3))
+            return
         self.recovery_events.append(
             {"generation": g, "resume_step": self.resume_step, "recovery_s": seconds}
         )
@@ -1011,6 +1044,7 @@ class Coordinator:
             "checkpoint_fallbacks": self.fallbacks,
             "steps_redone": self.steps_redone,
             "recovery_events": self.recovery_events,
+            "reconfigurations": self.reconfigurations,
             "recovery_summary": rec,
             "generations": self.generation + 1,
             "events": [{"t_s": round(e.t_s, 3), "kind": e.kind, **e.detail} for e in self.events],

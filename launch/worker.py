@@ -28,6 +28,15 @@ def run(config_path: str | None, output: str, overrides: dict[str, object]) -> i
         if rank == 0:
             print(f"spotline: error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except FloatingPointError as exc:  # spotline.exact.NonFiniteGradient, on every rank
+        if rank == 0:
+            print(
+                f"spotline: error: {exc}; the step was not applied. Lower the learning rate, "
+                "enable gradient_clipping or check the data",
+                file=sys.stderr,
+                flush=True,
+            )
+        return 1
     return 0
 
 

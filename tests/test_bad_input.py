@@ -82,3 +82,21 @@ def test_negative_warm_workers(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = run_spotline(["train", "--warm-workers", "-1", "--output", str(out)])
     _check(proc, out, "spotline.recovery.warm_workers", "negative")
+
+
+@pytest.mark.parametrize(
+    ("flags", "needles"),
+    [
+        (["--rescale", "3"], ["--rescale '3'", "STEP:M"]),
+        (["--rescale", "3:2,2:1"], ["step 2 does not come after step 3"]),
+        (["--rescale", "2:0"], ["leaves no process"]),
+        (["--rescale", "99:2", "--steps", "10"], ["step 99 is not inside the run"]),
+        (["--rescale", "2:1", "--stages", "2", "--workers", "2"], ["cannot hold the 2 stages"]),
+        (["--logical-workers", "0"], ["spotline.elasticity.logical_workers"]),
+        (["--rescale", "2:3", "--max-workers", "2"], ["exceed --max-workers 2"]),
+    ],
+)
+def test_bad_logical_workers_and_rescales(tmp_path: Path, flags, needles) -> None:
+    out = tmp_path / "out"
+    proc = run_spotline(["train", "--stages", "1", "--workers", "2", *flags, "--output", str(out)])
+    _check(proc, out, *needles)

@@ -325,3 +325,17 @@ def test_timed_event_validates() -> None:
         TimedEvent(1.0, "add", None, 0)
     with pytest.raises(ValueError, match="at_s"):
         TimedEvent(-1.0, "add", None, 1)
+
+
+def test_rescales_parse_in_order_and_refuse_what_cannot_run() -> None:
+    from spotline.plan.chaos import ScaleTo, check_rescales, parse_rescales
+
+    assert parse_rescales(None) == () and parse_rescales(" ") == ()
+    assert parse_rescales("3:2, 6:3,9:1") == (ScaleTo(3, 2), ScaleTo(6, 3), ScaleTo(9, 1))
+    for bad in ("3", "3:2:1", "a:2", "3:-1", "3:2,3:1", "3:0"):
+        with pytest.raises(UserError):
+            parse_rescales(bad)
+    check_rescales(parse_rescales("1:2"), num_steps=5, num_stages=2, max_workers=4)
+    for text in ("0:2", "5:2", "1:1", "1:5"):
+        with pytest.raises(UserError):
+            check_rescales(parse_rescales(text), num_steps=5, num_stages=2, max_workers=4)

@@ -17,7 +17,7 @@ from conftest import small_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS = 6
+STEPS = 8
 # Dropout on (gpt2-tiny's default): the logical worker, not the process, owns the masks.
 CONFIG = small_config(training={"steps": STEPS})
 
@@ -86,7 +86,7 @@ def test_six_logical_workers_on_four_processes_equal_six_and_one(spotline_train)
 def test_rescaled_four_two_three_one_equals_the_static_run(
     spotline_train, four_logical_on_four
 ) -> None:
-    summary = train(spotline_train, 4, 4, "--stages", "1", "--rescale", "2:2,3:3,5:1")
+    summary = train(spotline_train, 4, 4, "--stages", "1", "--rescale", "1:2,3:3,5:1")
     same_run(summary, four_logical_on_four)
     # The run really went 4 -> 2 -> 3 -> 1 processes, in place: SIGKILLs, an arrival, no
     # checkpoint (none is written), no restart.
@@ -158,3 +158,44 @@ def test_a_slow_process_is_given_fewer_logical_workers_and_the_math_holds(
     moves = summary["logical_rebalances"]
     assert moves, "no rebalance happened"
     assert [len(ws) for ws in moves[-1]["pipelines"]] == [3, 1]
+
+
+def test_a_non_finite_gradient_stops_the_run_naming_the_step_and_logical_workers(tmp_path) -> None:
+    from conftest import run_spotline, write_config
+
+    # A learning rate of 1e30 makes every parameter overflow in the first update: the
+    # second step's gradients are NaN in every logical worker. Nothing may fold them in.
+    config = small_config(training={"steps": STEPS})
+    config["optimizer"] = {
+        "type": "AdamW",
+        "params": {"lr": 1e30, "weight_decay": 0.0, "torch_adam": True},
+    }
+    out = tmp_path / "out"
+    proc = run_spotline(
+        ["train", "--config", str(write_config(tmp_path / "c.json", config)), "--output", str(out)]
+        + ["--workers", "2", "--stages", "1", "--logical-workers", "4"]
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("spotline: error:")]
+    assert "step 1: non-finite gradient" in line and "[0, 1, 2, 3]" in line, line
+    assert not (out / "summary.json").exists()
+
+
+def test_an_error_in_the_training_itself_stops_the_run_instead_of_retrying(tmp_path) -> None:
+    from conftest import run_spotline, write_config
+
+    # lr 1e38 overflows inside AdamW's own update (a RuntimeError on every rank, no process
+    # lost): redoing the step would fail the same way forever.
+    config = small_config(training={"steps": STEPS})
+    config["optimizer"] = {
+        "type": "AdamW",
+        "params": {"lr": 1e38, "weight_decay": 0.0, "torch_adam": True},
+    }
+    out = tmp_path / "out"
+    proc = run_spotline(
+        ["train", "--config", str(write_config(tmp_path / "c.json", config)), "--output", str(out)]
+        + ["--workers", "1", "--stages", "1", "--logical-workers", "2"]
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("spotline: error:")]
+    assert "no process lost" in line and "overflow" in line, line

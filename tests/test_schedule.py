@@ -457,3 +457,48 @@ def test_validator_catches_a_send_off_the_pipeline() -> None:
     schedule = train_schedule(2, 2)
     broken = edit(schedule, 0, 1, [*schedule.steps[0][1], Action(0, ActionKind.SEND_GRAD, 0)])
     assert_breaks(broken, "send-has-receive", (0, 1))
+
+
+# --------------------------------------------------------------------------- logical workers
+
+
+def _names(steps: list[list[tuple[str, dict[str, int]]]]) -> list[str]:
+    return [name for step in steps for name, _ in step]
+
+
+@pytest.mark.parametrize("mode", ["off", "lazy", "eager"])
+@pytest.mark.parametrize(("num_stages", "num_micro_batches"), [(1, 1), (2, 3), (4, 4)])
+@pytest.mark.parametrize("num_hosted", [1, 2, 3])
+def test_a_pipeline_runs_each_hosted_logical_worker_through_the_whole_body(
+    mode, num_stages, num_micro_batches, num_hosted
+) -> None:
+    from spotline.plan.schedule import lower_logical_step
+
+    schedule = add_redundancy(train_schedule(num_stages, num_micro_batches), mode)
+    for position in range(num_stages):
+        plain = lower(schedule, position)
+        logical = lower_logical_step(schedule, position, num_hosted)
+        tail = [
+            n
+            for n, _ in plain[-1]
+            if n in {"ReduceTiedGrads", "ReduceGrads", "OptimizerStep"}
+            or n.startswith("Replica")
+            and n != "ReplicaLoad"
+        ]
+        body = [n for n in _names(plain)][: len(_names(plain)) - len(tail)]
+        expected: list[str] = []
+        for _ in range(num_hosted):
+            expected += ["BeginLogicalWorker", *body, "ReduceTiedGrads", "KeepLogicalGradients"]
+        expected += tail[1:]  # the step's one reduction, replica exchange and optimizer steps
+        assert _names(logical) == expected
+        begins = [kw["index"] for step in logical for n, kw in step if n == "BeginLogicalWorker"]
+        keeps = [kw["index"] for step in logical for n, kw in step if n == "KeepLogicalGradients"]
+        assert begins == keeps == list(range(num_hosted))
+        assert len(logical) == num_hosted * len(plain)  # k times the lock-step length
+
+
+def test_a_pipeline_hosting_no_logical_worker_is_refused() -> None:
+    from spotline.plan.schedule import lower_logical_step
+
+    with pytest.raises(ValueError, match="at least one logical worker"):
+        lower_logical_step(train_schedule(2, 2), 0, 0)

@@ -20,8 +20,8 @@ Rules (all deterministic; pure code, no torch):
   pipeline's copy of that stage.
 - Shape. ``S' = min(num_stages, live workers // num_pipelines)`` physical stages; with
   fewer workers than pipelines the job waits for workers. In the elastic mode (logical
-  pipelines hosted by fewer physical ones, EasyScale; the simulator's ``spotline-elastic``
-  policy, executed by the runtime once elastic data parallelism lands) whole pipelines go
+  pipelines hosted by fewer physical ones, EasyScale; what the coordinator runs, and the
+  simulator's ``spotline`` policy) whole pipelines go
   first: ``P' = max(1, min(num_pipelines, live // num_stages))`` physical pipelines of
   ``S' = min(num_stages, live // P')`` physical stages.
 - Grouping and assignment. Among all contiguous groupings of the logical stages into

@@ -19,8 +19,9 @@ Policies (:data:`POLICIES`):
     as a runtime that counts its fatal losses can (a fixed hourly checkpoint would make the
     rigid variant redo up to an hour per fatal loss).
 ``spotline-rigid``
-    What the runtime runs today (data parallelism fixed to the configured pipelines): the
-    same planner without the elastic mode, so a loss folds stages in every pipeline.
+    Data parallelism fixed to the configured pipelines (the runtime before logical workers,
+    and what the recorded validation replay ran): the same planner without the elastic
+    mode, so a loss folds stages in every pipeline.
 ``checkpoint-restart``
     Whenever a node that runs a stage is preempted, every node restarts from the last
     checkpoint (``fatal_rendezvous_s + checkpoint_load_s``, work since the checkpoint is

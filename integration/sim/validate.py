@@ -5,8 +5,10 @@ scaled to at most M nodes by :func:`spotline.plan.traces.scale_trace`, X times f
 it was recorded, from the moment its first workers have started. :func:`predict_replay`
 replays the same scaled trace through :func:`spotline.sim.engine.simulate` in wall seconds
 (trace times divided by X) with a calibration measured on the same machine by ``spotline
-calibrate``, and the ``spotline-rigid`` policy, which is what the runtime executes today
-(data parallelism fixed, stages folded onto fewer workers after a loss).
+calibrate``, and the ``spotline-rigid`` policy, which is what the runtime executed when the
+validation replay in tests/data/replay-validation was recorded (data parallelism fixed,
+stages folded onto fewer workers after a loss; the runtime now plans in the elastic mode,
+the ``spotline`` policy).
 
 The local run trains a fixed number of steps in ``train_wall_s`` seconds from its first
 step; the prediction is the samples the simulator commits over the same training window,
