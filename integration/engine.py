@@ -26,7 +26,7 @@ from deepspeed.runtime.pipe.schedule import PipeInstruction
 from spotline.clipping import apply_clip, clip_coefficient, per_layer_sq_norms
 from spotline.exact import LogicalGradients
 from spotline.plan import schedule as plan
-from spotline.runtime import derive_seed, seed_logical_worker
+from spotline.runtime import derive_seed, reseed_torch, seed_logical_worker
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -245,7 +245,7 @@ class SpotlinePipelineEngine(PipelineEngine):
 
     def _make_reseed_hook(self, layer_idx: int) -> Callable[..., None]:
         def reseed(_module: torch.nn.Module, _inputs: Any) -> None:
-            torch.manual_seed(
+            reseed_torch(
                 derive_seed(
                     self.rng_seed,
                     self.rng_step,

@@ -92,15 +92,16 @@ def _scaled(flat: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     pieces = []
     if head.numel():
         rows = head.shape[0]
-        pieces.append((head * first[:rows, None] * second[:rows, None]).reshape(-1))
+        scaled = head * first[:rows, None]
+        pieces.append(scaled.mul_(second[:rows, None]).reshape(-1))
     if tail.numel():
         pieces.append(tail * first[-1] * second[-1])
-    return torch.cat(pieces)
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 def _to_fixed(flat: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
     """``round(flat * 2**shift)`` per block as int64, exactly (see :func:`_scaled`)."""
-    return torch.round(_scaled(flat, shift)).to(torch.int64)
+    return _scaled(flat, shift).round_().to(torch.int64)
 
 
 def exact_sum(
@@ -148,8 +149,8 @@ def exact_sum(
         raise NonFiniteGradient([i for i in range(num_logical_workers) if bad[i]])
     bits = fraction_bits(num_logical_workers)
     shift = bits - exponent.to(torch.int64)  # scale each block by 2**(F - e)
-    total = torch.zeros(numel, dtype=torch.int64)
-    for flat in flats:
+    total = _to_fixed(flats[0], shift)
+    for flat in flats[1:]:
         total += _to_fixed(flat, shift)
     if distributed:
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)

@@ -57,6 +57,20 @@ def derive_seed(*parts: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def reseed_torch(seed: int) -> None:
+    """Seed torch's generators as ``torch.manual_seed`` does, at a fraction of the cost.
+
+    ``torch.manual_seed`` also queues a seeding of CUDA (and XPU, MTIA) generators for when
+    they are initialized, recording a Python stack trace each time: about 0.4 ms per call on
+    a machine without them, and the engine reseeds before every layer's forward (measured:
+    the traces were a fifth of a tiny model's CPU step). The CPU generator gives the same
+    numbers either way; an initialized CUDA device's current generator is seeded too.
+    """
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.manual_seed(seed)
+
+
 def seed_logical_worker(*coordinates: int) -> None:
     """Seed torch, numpy and Python's ``random`` from a logical worker's coordinates (seed,
     step, logical worker, ...): whatever a model or a loss draws belongs to the logical
@@ -64,7 +78,7 @@ def seed_logical_worker(*coordinates: int) -> None:
     seed = derive_seed(*coordinates)
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
-    torch.manual_seed(seed)
+    reseed_torch(seed)
 
 
 def seed_everything(seed: int) -> None:

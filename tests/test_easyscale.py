@@ -160,42 +160,35 @@ def test_a_slow_process_is_given_fewer_logical_workers_and_the_math_holds(
     assert [len(ws) for ws in moves[-1]["pipelines"]] == [3, 1]
 
 
-def test_a_non_finite_gradient_stops_the_run_naming_the_step_and_logical_workers(tmp_path) -> None:
+def failed_run(tmp_path: Any, lr: float, *flags: str) -> str:
+    """Run with AdamW at learning rate ``lr``; expect exit 1 and return its one error line."""
     from conftest import run_spotline, write_config
 
-    # A learning rate of 1e30 makes every parameter overflow in the first update: the
-    # second step's gradients are NaN in every logical worker. Nothing may fold them in.
     config = small_config(training={"steps": STEPS})
     config["optimizer"] = {
         "type": "AdamW",
-        "params": {"lr": 1e30, "weight_decay": 0.0, "torch_adam": True},
+        "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True},
     }
     out = tmp_path / "out"
     proc = run_spotline(
         ["train", "--config", str(write_config(tmp_path / "c.json", config)), "--output", str(out)]
-        + ["--workers", "2", "--stages", "1", "--logical-workers", "4"]
+        + ["--stages", "1", *flags]
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
-    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("spotline: error:")]
-    assert "step 1: non-finite gradient" in line and "[0, 1, 2, 3]" in line, line
     assert not (out / "summary.json").exists()
+    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("spotline: error:")]
+    return line
+
+
+def test_a_non_finite_gradient_stops_the_run_naming_the_step_and_logical_workers(tmp_path) -> None:
+    # A learning rate of 1e30 makes every parameter overflow in the first update: the
+    # second step's gradients are NaN in every logical worker. Nothing may fold them in.
+    line = failed_run(tmp_path, 1e30, "--workers", "2", "--logical-workers", "4")
+    assert "step 1: non-finite gradient" in line and "[0, 1, 2, 3]" in line, line
 
 
 def test_an_error_in_the_training_itself_stops_the_run_instead_of_retrying(tmp_path) -> None:
-    from conftest import run_spotline, write_config
-
     # lr 1e38 overflows inside AdamW's own update (a RuntimeError on every rank, no process
     # lost): redoing the step would fail the same way forever.
-    config = small_config(training={"steps": STEPS})
-    config["optimizer"] = {
-        "type": "AdamW",
-        "params": {"lr": 1e38, "weight_decay": 0.0, "torch_adam": True},
-    }
-    out = tmp_path / "out"
-    proc = run_spotline(
-        ["train", "--config", str(write_config(tmp_path / "c.json", config)), "--output", str(out)]
-        + ["--workers", "1", "--stages", "1", "--logical-workers", "2"]
-    )
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    (line,) = [line for line in proc.stderr.splitlines() if line.startswith("spotline: error:")]
+    line = failed_run(tmp_path, 1e38, "--workers", "1", "--logical-workers", "2")
     assert "no process lost" in line and "overflow" in line, line
