@@ -90,6 +90,7 @@ def test_per_worker_summaries_become_per_rank_lists() -> None:
         ["foundation", "--cases", "2x2"],
         ["reduce", "--ranks", "2", "--logical-workers", "3"],
         ["reduce", "--elements", "0"],
+        ["easyscale", "--workers", "0"],
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -124,3 +125,19 @@ def test_reduce_compares_the_exact_sum_with_a_float_all_reduce(tmp_path: Path) -
     # 8-byte integers, plus one exponent per block and one flag per logical worker.
     assert report["exact_bytes"] == 8 * 20000 + 4 * 5 + 4 * 4
     assert "exact (fixed point)" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_data_parallel_baseline_and_exact_engine_run_side_by_side(tmp_path: Path) -> None:
+    """The easyscale bench's step-time pair: stock DeepSpeedEngine and spotline.dp_engine on
+    the same 2 processes (smoke size; timings are reported, never asserted)."""
+    from conftest import small_config, write_config
+
+    from spotline.launch.bench_easyscale import run_dp
+
+    config = write_config(tmp_path / "c.json", small_config(topology={"stages": 1, "workers": 2}))
+    for mode in ("stock", "exact"):
+        result = run_dp(mode, config, 2, 3, tmp_path / mode)
+        assert result["mode"] == mode and result["step_time_s"] > 0
+        assert len(result["peak_rss_mib_per_rank"]) == 2
