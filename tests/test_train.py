@@ -86,7 +86,20 @@ def test_summary_fields_and_exported_model(spotline_train, tmp_path: Path) -> No
     assert param_sha256(dict(model.named_parameters())) == summary["param_sha256"]
 
 
-def test_deepspeed_launcher_runs_the_same_code_path(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("ds_flags", "spotline_flags"),
+    [
+        (["--stages", "2"], ["--workers", "2", "--stages", "2"]),
+        # 4 logical workers: 2 on each launcher rank, all 4 on one spotline process.
+        (
+            ["--stages", "1", "--logical-workers", "4"],
+            ["--workers", "1", "--stages", "1", "--logical-workers", "4"],
+        ),
+    ],
+)
+def test_deepspeed_launcher_runs_the_same_code_path(
+    tmp_path: Path, ds_flags: list[str], spotline_flags: list[str]
+) -> None:
     """`deepspeed launch/train.py --deepspeed_config ...` trains like `spotline train`."""
     import os
     import subprocess
@@ -109,8 +122,7 @@ def test_deepspeed_launcher_runs_the_same_code_path(tmp_path: Path) -> None:
             "launch/train.py",
             "--deepspeed_config",
             str(config),
-            "--stages",
-            "2",
+            *ds_flags,
             "--output",
             str(out_ds),
         ],
@@ -129,10 +141,7 @@ def test_deepspeed_launcher_runs_the_same_code_path(tmp_path: Path) -> None:
             "train",
             "--config",
             str(config),
-            "--workers",
-            "2",
-            "--stages",
-            "2",
+            *spotline_flags,
             "--output",
             str(out_sl),
         ]
