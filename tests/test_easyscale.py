@@ -140,6 +140,29 @@ def test_a_fatal_loss_restored_from_a_checkpoint_on_fewer_processes_continues_bi
     same_run(summary, static)
 
 
+def test_a_restart_of_every_process_from_a_checkpoint_continues_bitwise(
+    spotline_train, four_logical_on_four
+) -> None:
+    # The checkpoint-restart policy: a SIGKILL restarts every process from the last
+    # checkpoint (parameters and optimizer state by logical stage, and the step). Nothing
+    # else of a logical worker is saved: its samples and seeds follow from the step.
+    summary = train(
+        spotline_train,
+        2,
+        4,
+        "--stages",
+        "1",
+        "--recovery",
+        "checkpoint-restart",
+        "--checkpoint-interval",
+        "2",
+        "--inject",
+        "kill:3:1",
+    )
+    assert summary["checkpoint_fallbacks"] == 1 and summary["steps_redone"] >= 1
+    same_run(summary, four_logical_on_four)
+
+
 def test_a_slow_process_is_given_fewer_logical_workers_and_the_math_holds(
     spotline_train, four_logical_on_four
 ) -> None:
