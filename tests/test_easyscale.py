@@ -146,19 +146,8 @@ def test_a_restart_of_every_process_from_a_checkpoint_continues_bitwise(
     # The checkpoint-restart policy: a SIGKILL restarts every process from the last
     # checkpoint (parameters and optimizer state by logical stage, and the step). Nothing
     # else of a logical worker is saved: its samples and seeds follow from the step.
-    summary = train(
-        spotline_train,
-        2,
-        4,
-        "--stages",
-        "1",
-        "--recovery",
-        "checkpoint-restart",
-        "--checkpoint-interval",
-        "2",
-        "--inject",
-        "kill:3:1",
-    )
+    flags = "--stages 1 --recovery checkpoint-restart --checkpoint-interval 2 --inject kill:3:1"
+    summary = train(spotline_train, 2, 4, *flags.split())
     assert summary["checkpoint_fallbacks"] == 1 and summary["steps_redone"] >= 1
     same_run(summary, four_logical_on_four)
 
