@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, Union
 
 from spotline.errors import UserError
+from spotline.plan.chaos import parse_rescales
 
 RedundancyMode = Literal["off", "lazy", "eager"]
 ReplicaDevice = Literal["accelerator", "host"]
@@ -342,6 +343,7 @@ def validate(cfg: RunConfig) -> None:
     _positive("spotline.determinism.intra_op_threads", sl.determinism.intra_op_threads)
     _positive("spotline.checkpoints.keep", sl.checkpoints.keep)
     _positive("spotline.recovery.max_workers", sl.recovery.max_workers)
+    parse_rescales(sl.elasticity.rescale)  # its form only; the CLI checks it against the run
     if sl.elasticity.rebalance_every < 0:
         raise UserError(
             "config key 'spotline.elasticity.rebalance_every' is negative; use 0 (rebalance "
