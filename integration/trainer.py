@@ -282,6 +282,8 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
         write_json_atomic(output_dir / SUMMARY_NAME, summary)
     tracker.finish(summary)
     dist.barrier()
+    # Before the interpreter exits: gloo's threads must not be left to static destruction.
+    dist.destroy_process_group()
     return summary
 
 

@@ -36,6 +36,12 @@ def main() -> None:
     }
     with open(os.path.join(out_dir, f"rank{worker.ident.rank}.json"), "w") as f:
         json.dump(result, f)
+    # Tear the group down before the interpreter does: gloo's threads must not be left to
+    # static destruction at exit (an occasional "terminate called" abort there).
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
