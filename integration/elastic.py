@@ -270,7 +270,7 @@ class ElasticWorker:
         self._lw_seconds = 0.0
         self._lw_count = 0
         self.seconds_per_logical_worker: float | None = None
-        self.placements: list[dict[str, Any]] = []
+        self.rebalances: list[dict[str, Any]] = []  # moves within a generation (rank 0)
         self._measuring = False
         self.error: str | None = None
 
@@ -386,7 +386,7 @@ class ElasticWorker:
                 if self._lw_count
                 else self.seconds_per_logical_worker
             ),
-            "placements": self.placements,
+            "rebalances": self.rebalances,
             "error": self.error,
         }
         self.store.set(f"report/{generation}/{self.wid}", json.dumps(report))
@@ -644,14 +644,20 @@ class ElasticWorker:
 
     # -- logical workers (EasyScale) ----------------------------------------------------
     def _place_logical_workers(
-        self, engine: RedundantPipelineEngine, assignment: dict[str, list[int]], step: int = -1
+        self,
+        engine: RedundantPipelineEngine,
+        assignment: dict[str, list[int]],
+        rebalanced_at: int | None = None,
     ) -> None:
-        """Host the logical workers the assignment gives this rank's pipeline."""
+        """Host the logical workers the assignment gives this rank's pipeline. A move made
+        within a generation (``rebalanced_at``: the step) is recorded for the summary; the
+        coordinator records the placement each generation starts with."""
         pipeline = pipeline_name(int(engine.grid.data_parallel_id))
         engine.set_logical_workers(self.cfg.num_pipelines, tuple(assignment[pipeline]))
         self._assignment = {p: tuple(ws) for p, ws in assignment.items()}
-        if dist.get_rank() == 0:
-            self.placements.append(
+        if rebalanced_at is not None and dist.get_rank() == 0:
+            step = rebalanced_at
+            self.rebalances.append(
                 {"step": step, "pipelines": [list(self._assignment[p]) for p in sorted(assignment)]}
             )
 
@@ -688,7 +694,7 @@ class ElasticWorker:
         proposed = logical.rebalance(self._assignment, speeds)
         if logical.worth_moving(self._assignment, proposed, speeds):
             self._place_logical_workers(
-                engine, {p: list(ws) for p, ws in proposed.items()}, step=step
+                engine, {p: list(ws) for p, ws in proposed.items()}, rebalanced_at=step
             )
 
     def _verify_replicas(self, engine: RedundantPipelineEngine, step: int) -> None:

@@ -1019,8 +1019,7 @@ class Coordinator:
                     {
                         json.dumps(entry, sort_keys=True)
                         for st in self.worker_stats.values()
-                        for entry in st.get("placements", [])
-                        if entry["step"] >= 0
+                        for entry in st.get("rebalances", [])
                     }
                 )
             ],
