@@ -106,3 +106,28 @@ def run_ranks(script: Path, world_size: int, args: list[str], *, timeout: float 
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def sampler_strategy(
+    *, max_logical_workers: int, max_micro_batch_size: int, max_steps: int, max_tail: int
+):
+    """A hypothesis strategy of GlobalSamplers: up to ``max_logical_workers`` logical
+    workers, micro-batches of up to ``max_micro_batch_size`` samples, 1-3 micro-batches, and
+    a corpus of at least one step and at most ``max_steps`` steps plus ``max_tail`` samples."""
+    from hypothesis import strategies as st
+
+    from spotline.plan.sampler import GlobalSampler
+
+    @st.composite
+    def samplers(draw: st.DrawFn) -> GlobalSampler:
+        num_logical_workers = draw(st.integers(1, max_logical_workers))
+        micro_batch_size = draw(st.integers(1, max_micro_batch_size))
+        num_micro_batches = draw(st.integers(1, 3))
+        per_step = num_logical_workers * micro_batch_size * num_micro_batches
+        num_samples = draw(st.integers(per_step, per_step * max_steps + max_tail))
+        seed = draw(st.integers(-(2**40), 2**40))
+        return GlobalSampler(
+            num_samples, num_logical_workers, micro_batch_size, num_micro_batches, seed
+        )
+
+    return samplers()

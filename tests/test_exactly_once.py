@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Mapping
 
 import pytest
+from conftest import sampler_strategy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -107,17 +108,8 @@ def step_samples(
 # --- strategies ----------------------------------------------------------------------------
 
 
-@st.composite
-def samplers(draw: st.DrawFn) -> GlobalSampler:
-    num_logical_workers = draw(st.integers(1, 10))
-    micro_batch_size = draw(st.integers(1, 3))
-    num_micro_batches = draw(st.integers(1, 3))
-    per_step = num_logical_workers * micro_batch_size * num_micro_batches
-    num_samples = draw(st.integers(per_step, per_step * 4 + 5))
-    seed = draw(st.integers(-(2**40), 2**40))
-    return GlobalSampler(
-        num_samples, num_logical_workers, micro_batch_size, num_micro_batches, seed
-    )
+def samplers():  # the shared strategy, with this module's bounds
+    return sampler_strategy(max_logical_workers=10, max_micro_batch_size=3, max_steps=4, max_tail=5)
 
 
 # Very uneven speeds on purpose: a process 10^12 times faster than another still leaves the

@@ -3,6 +3,7 @@
 from collections import Counter
 
 import pytest
+from conftest import sampler_strategy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -12,17 +13,8 @@ from spotline.plan.sampler import GlobalSampler
 FAST = settings(max_examples=200, deadline=None)
 
 
-@st.composite
-def samplers(draw: st.DrawFn) -> GlobalSampler:
-    num_logical_workers = draw(st.integers(1, 6))
-    micro_batch_size = draw(st.integers(1, 4))
-    num_micro_batches = draw(st.integers(1, 3))
-    samples_per_step = num_logical_workers * micro_batch_size * num_micro_batches
-    num_samples = draw(st.integers(samples_per_step, samples_per_step * 5 + 7))
-    seed = draw(st.integers(-(2**40), 2**40))
-    return GlobalSampler(
-        num_samples, num_logical_workers, micro_batch_size, num_micro_batches, seed
-    )
+def samplers():  # the shared strategy, with this module's bounds
+    return sampler_strategy(max_logical_workers=6, max_micro_batch_size=4, max_steps=5, max_tail=7)
 
 
 def _epoch_indices(sampler: GlobalSampler, epoch: int) -> list[int]:
