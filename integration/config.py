@@ -320,6 +320,72 @@ def _parse_section(path: str, raw: Mapping[str, Any], cls: type[_T]) -> _T:
     return cls(**kwargs)
 
 
+# DeepSpeed's schedulers whose rate (and OneCycle's momentum) is a function of the step
+# alone, which is what lets every engine, replica and roll-forward agree after a recovery
+# (spotline.lr_schedule). torch.optim's schedulers keep state of their own.
+SUPPORTED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
+# A recovery moves Adam's state (step, exp_avg, exp_avg_sq) between processes by name.
+SUPPORTED_OPTIMIZERS = ("adam", "adamw")
+# DeepSpeed features that keep state across steps outside the parameters and optimizer,
+# which a recovery would not carry: on, they would change the result after a takeover.
+_STATEFUL_FEATURES = {
+    "fp16": "its dynamic loss scale",
+    "bf16": "its optimizer wrapper's master weights",
+    "bfloat16": "its optimizer wrapper's master weights",
+    "amp": "its loss scaler",
+    "curriculum_learning": "its difficulty schedule",
+    "data_efficiency": "its sampling and token-dropping state",
+    "progressive_layer_drop": "its drop schedule",
+    "compression_training": "its compression schedule",
+}
+
+
+def _check_recoverable(ds: Mapping[str, Any]) -> None:
+    """Refuse DeepSpeed keys whose state a recovery cannot carry exactly, naming the key."""
+    for key, state in _STATEFUL_FEATURES.items():
+        section = ds.get(key)
+        if isinstance(section, Mapping) and section.get("enabled", False):
+            raise UserError(
+                f"config key '{key}' is enabled: {state} is state that Spotline cannot carry "
+                f"across a recovery exactly; remove '{key}' (Spotline trains in fp32)"
+            )
+    zero = ds.get("zero_optimization")
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    if stage:
+        raise UserError(
+            f"config key 'zero_optimization.stage' is {json.dumps(stage)}: ZeRO partitions "
+            "the optimizer state over data-parallel ranks, which a recovery does not move; "
+            "set it to 0 or remove 'zero_optimization'"
+        )
+    optimizer = ds.get("optimizer")
+    kind = optimizer.get("type") if isinstance(optimizer, Mapping) else None
+    if not isinstance(kind, str) or kind.lower() not in SUPPORTED_OPTIMIZERS:
+        raise UserError(
+            f"config key 'optimizer.type' is {json.dumps(kind)}: a recovery moves Adam's "
+            'optimizer state between processes; use "AdamW" or "Adam"'
+        )
+    scheduler = ds.get("scheduler")
+    if scheduler is None:
+        return
+    kind = scheduler.get("type") if isinstance(scheduler, Mapping) else None
+    if kind not in SUPPORTED_SCHEDULERS:
+        raise UserError(
+            f"config key 'scheduler.type' is {json.dumps(kind)}: Spotline carries the "
+            f"learning rate across recoveries only for DeepSpeed's {', '.join(SUPPORTED_SCHEDULERS)} "
+            "(their rate is a function of the step); use one of them"
+        )
+    params = scheduler.get("params", {})
+    if not isinstance(params, Mapping):
+        raise UserError(
+            f"config key 'scheduler.params' is {json.dumps(params)}; expected an object"
+        )
+    if "last_batch_iteration" in params:
+        raise UserError(
+            "config key 'scheduler.params.last_batch_iteration' sets the schedule's position, "
+            "which Spotline derives from the step; remove it (continue a run with --resume)"
+        )
+
+
 def _positive(path: str, value: int | None) -> None:
     if value is not None and value < 1:
         raise UserError(f"config key '{path}' is {value}; expected a positive integer")
@@ -376,6 +442,7 @@ def validate(cfg: RunConfig) -> None:
                 f"{cfg.micro_batch_size} x gradient_accumulation_steps {cfg.num_micro_batches} x "
                 f"{cfg.num_pipelines} pipelines is {expected}; remove train_batch_size or make it {expected}"
             )
+    _check_recoverable(ds)
     if "elasticity" in ds:
         raise UserError(
             "config key 'elasticity' is DeepSpeed's removed elastic feature; "

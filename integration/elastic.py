@@ -24,7 +24,6 @@ training is done. Then the worker:
 from __future__ import annotations
 
 import gc
-import inspect
 import json
 import os
 import signal
@@ -43,6 +42,7 @@ from spotline.checkpoint import CheckpointWriter, load_all
 from spotline.config import RunConfig
 from spotline.engine import build_engine, deepspeed_config_for
 from spotline.exact import NonFiniteGradient
+from spotline.lr_schedule import StepSchedule, constructor_hyper
 from spotline.plan import logical
 from spotline.plan.chaos import parse_injections
 from spotline.plan.layout import Holding, Layout, pipeline_name
@@ -145,15 +145,19 @@ def extract_holdings(engine: RedundantPipelineEngine, logical: list[int]) -> Hol
 
 
 def roll_forward(
-    st: StageState, optimizer_cls: type[torch.optim.Optimizer], hyper: dict[str, Any], lr: float
+    st: StageState,
+    optimizer_cls: type[torch.optim.Optimizer],
+    hyper: dict[str, Any],
+    schedule: StepSchedule,
 ) -> None:
     """Apply the committed step this stage holds final gradients for (no communication)."""
     assert st.grads is not None
     names = sorted(st.params)
     params = [torch.nn.Parameter(st.params[n].clone()) for n in names]
     optimizer = optimizer_cls(params, **hyper)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    # The step being applied is step ``st.version`` (0-based): its rate, whatever any
+    # scheduler object did since.
+    schedule.apply(optimizer.param_groups, st.version)
     for n, p in zip(names, params, strict=True):
         optimizer.state[p] = {k: v.clone() for k, v in st.opt[n].items()}
         p.grad = st.grads[n].clone()
@@ -480,11 +484,9 @@ class ElasticWorker:
 
     def _optimizer_recipe(
         self, engine: RedundantPipelineEngine
-    ) -> tuple[type[torch.optim.Optimizer], dict[str, Any], float]:
+    ) -> tuple[type[torch.optim.Optimizer], dict[str, Any], StepSchedule]:
         opt = engine.optimizer
-        accepted = inspect.signature(type(opt).__init__).parameters
-        hyper = {k: v for k, v in opt.defaults.items() if k in accepted}
-        return type(opt), hyper, float(opt.param_groups[0]["lr"])
+        return type(opt), constructor_hyper(opt), engine.step_schedule
 
     def _roll_forward_to(self, resume: int) -> None:
         recipe = getattr(self, "_recipe", None)
@@ -548,6 +550,9 @@ class ElasticWorker:
         resume = int(plan["resume_step"])
         engine.applied_steps = resume
         engine.global_steps = resume
+        # DeepSpeed's scheduler object starts at zero in every new engine: move it to the
+        # committed step (the rate each update uses comes from engine.step_schedule anyway).
+        engine.step_schedule.position(engine.lr_scheduler, resume)
         # Replicas: each physical stage sends its whole state to its predecessor.
         if engine.replica is not None:
             mine = self._names_by_stage(engine.module.named_parameters())
@@ -632,6 +637,7 @@ class ElasticWorker:
             self.losses[step] = engine.train_step(seed=sl.training.seed, step=step)
             if dist.get_rank() == 0:
                 self.store.set(f"loss/{step}", repr(self.losses[step]))
+                self.store.set(f"lr/{step}", repr(float(engine.step_schedule.at(step)["lr"])))
             self.step_times[step] = time.perf_counter() - t0
             self.train_start_t = min(self.train_start_t, time.time() - self.step_times[step])
             self.train_end_t = time.time()

@@ -25,6 +25,7 @@ from deepspeed.runtime.pipe.schedule import PipeInstruction
 
 from spotline.clipping import apply_clip, clip_coefficient, per_layer_sq_norms
 from spotline.exact import LogicalGradients
+from spotline.lr_schedule import StepSchedule
 from spotline.plan import schedule as plan
 from spotline.runtime import derive_seed, reseed_torch, seed_logical_worker
 
@@ -134,6 +135,9 @@ class SpotlinePipelineEngine(PipelineEngine):
         self._num_backwards = 0
         self._rng_micro_batch = 0
         self.last_clip_coefficient = 1.0
+        # The rate of every step as a function of the step (spotline.lr_schedule), so that an
+        # engine built mid-run, a replica and a roll-forward all use the undisturbed run's.
+        self.step_schedule = StepSchedule.of_engine(self)
         self._index_tied_copies()
         self._install_rng_hooks()
         # The plan of one logical worker's micro-batches; subclasses derive their own.
@@ -262,6 +266,7 @@ class SpotlinePipelineEngine(PipelineEngine):
         self.rng_seed = seed
         self.rng_step = step
         self.rng_logical_worker = logical_worker
+        self.step_schedule.apply(self.optimizer.param_groups, step)
         self._num_forwards = 0
         self._num_backwards = 0
 

@@ -28,7 +28,6 @@ DeepSpeed's optimizer, gradient reduction, clipping and checkpoints never see it
 from __future__ import annotations
 
 import hashlib
-import inspect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +40,7 @@ from deepspeed.runtime.pipe.schedule import PipeInstruction
 from spotline.clipping import apply_clip
 from spotline.engine import INSTRUCTIONS, Batch, SpotlinePipelineEngine, rebind_instruction_map
 from spotline.exact import LogicalGradients
+from spotline.lr_schedule import constructor_hyper
 from spotline.plan import schedule as plan
 
 
@@ -151,11 +151,8 @@ class Replica:
         self.named_params = list(self.layers.named_parameters())
         self.params = [p for _, p in self.named_params]
         opt = engine.optimizer
-        # The owner's optimizer class and hyper-parameters (defaults can hold keys the
-        # constructor derives itself, e.g. AdamW's decoupled_weight_decay).
-        accepted = inspect.signature(type(opt).__init__).parameters
-        hyper = {k: v for k, v in opt.defaults.items() if k in accepted}
-        self.optimizer = type(opt)(self.params, **hyper)
+        # The owner's optimizer class and hyper-parameters.
+        self.optimizer = type(opt)(self.params, **constructor_hyper(opt))
         self.is_last = stage == engine.num_stages - 1
         self.loss_fn = module.loss_fn
         self.flat_grads: torch.Tensor | None = None
@@ -394,8 +391,9 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         if self.gradient_clipping() > 0:
             # The owner's coefficient, applied with the same op to the same gradients.
             apply_clip((p.grad for p in self.replica.params), self.last_clip_coefficient)
-        for group in self.replica.optimizer.param_groups:
-            group["lr"] = self.optimizer.param_groups[0]["lr"]
+        # The owner's rate for this step: not read from the owner's optimizer, whose
+        # scheduler has already moved on to the next step (ReplicaStep follows OptimizerStep).
+        self.step_schedule.apply(self.replica.optimizer.param_groups, self.rng_step)
         self.replica.optimizer.step()
         self.replica.zero_grad()
         self.replica.flat_grads = None

@@ -218,6 +218,7 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
         run_config=cfg.to_json(),
     )
     losses: list[float] = []
+    learning_rates: list[float] = []
     step_times: list[float] = []
     replica_checks = 0
     replica_mismatches: list[dict[str, Any]] = []
@@ -226,7 +227,10 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
         t_step = time.perf_counter()
         losses.append(worker.train_step(step))
         step_times.append(time.perf_counter() - t_step)
-        tracker.log_step(step, {"loss": losses[-1], "step_time_s": step_times[-1]})
+        learning_rates.append(float(engine.step_schedule.at(step)["lr"]))
+        tracker.log_step(
+            step, {"loss": losses[-1], "lr": learning_rates[-1], "step_time_s": step_times[-1]}
+        )
         if sl.redundancy.verify_replicas:
             bad = worker.replica_mismatches()
             if bad is not None:
@@ -247,6 +251,7 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
         summary = {
             "steps": sl.training.steps,
             "losses": losses,
+            "learning_rates": learning_rates,
             "final_loss": losses[-1],
             "samples_per_s": samples / wall_s,
             "wall_s": wall_s,

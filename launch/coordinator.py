@@ -14,6 +14,7 @@ Store keys (all under one TCPStore):
 - ``report/<g>/<worker>``: what a worker holds at the end of generation g (JSON).
 - ``hb/<worker>``, ``progress/<worker>``, ``leaving/<worker>``, ``joined/<worker>``.
 - ``stop/<g>``: members of generation g stop at this step (arrivals and departures).
+- ``loss/<step>``, ``lr/<step>``: the step's loss and learning rate (rank 0 writes them).
 - ``ready/<g>/<worker>``, ``final/param_sha256``.
 """
 
@@ -977,6 +978,12 @@ class Coordinator:
                 self.losses[s] = float(self.store.get(key).decode())
         # A step committed while its loss was being aggregated has no reported loss (None).
         losses = [self.losses.get(s) for s in range(steps)]
+        # The learning rate each step's update used (a function of the step; written by the
+        # same rank as the loss).
+        learning_rates = [
+            float(self.store.get(f"lr/{s}").decode()) if self.store.check([f"lr/{s}"]) else None
+            for s in range(steps)
+        ]
         key = "final/param_sha256"
         param_hash = self.store.get(key).decode() if self.store.check([key]) else None
         samples = steps * self.cfg.samples_per_step
@@ -996,6 +1003,7 @@ class Coordinator:
         return {
             "steps": steps,
             "losses": losses,
+            "learning_rates": learning_rates,
             "final_loss": losses[-1],
             # Committed samples per second of training (first step to last, recoveries
             # included): the goodput. wall_s also counts process start-up.
@@ -1078,11 +1086,12 @@ class Coordinator:
             total_steps=len(summary["losses"]),
             run_config=self.cfg.to_json(),
         )
-        for step, loss in enumerate(summary["losses"]):
+        for step, (loss, lr) in enumerate(
+            zip(summary["losses"], summary["learning_rates"], strict=True)
+        ):
             if loss is not None:
-                tracker.log_step(
-                    step, {"loss": loss, "step_time_s": self.step_times.get(step, 0.0)}
-                )
+                metrics = {"loss": loss, "step_time_s": self.step_times.get(step, 0.0)}
+                tracker.log_step(step, metrics if lr is None else {**metrics, "lr": lr})
         for event in summary["events"]:
             tracker.log_event(event["kind"], {k: v for k, v in event.items() if k != "kind"})
         tracker.finish(summary)

@@ -55,6 +55,18 @@ def test_default_file_equals_builtin_default() -> None:
         ({"train_batch_size": 7}, "'train_batch_size' is 7"),
         ({"elasticity": {"enabled": True}}, "spotline.elasticity"),
         ({"spotline": []}, "'spotline' is []; expected an object"),
+        # State a recovery could not carry exactly is refused when the config loads.
+        ({"scheduler": {"type": "StepLR", "params": {}}}, "'scheduler.type' is \"StepLR\""),
+        ({"scheduler": {"type": "OneCycle", "params": 3}}, "'scheduler.params' is 3"),
+        (
+            {"scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": 4}}},
+            "'scheduler.params.last_batch_iteration'",
+        ),
+        ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "'optimizer.type' is \"SGD\""),
+        ({"fp16": {"enabled": True}}, "'fp16' is enabled"),
+        ({"bf16": {"enabled": True}}, "'bf16' is enabled"),
+        ({"zero_optimization": {"stage": 1}}, "'zero_optimization.stage' is 1"),
+        ({"curriculum_learning": {"enabled": True}}, "'curriculum_learning' is enabled"),
     ],
 )
 def test_bad_config_is_one_clear_line(raw: dict, needle: str) -> None:
@@ -96,3 +108,12 @@ def test_config_module_is_pure() -> None:
 
     code = "import sys, spotline.config; assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_recoverable_deepspeed_keys_are_accepted() -> None:
+    from spotline.config import SUPPORTED_SCHEDULERS
+
+    for name in SUPPORTED_SCHEDULERS:
+        parse_config({"scheduler": {"type": name, "params": {}}})
+    parse_config({"fp16": {"enabled": False}, "zero_optimization": {"stage": 0}})
+    parse_config({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}})
