@@ -17,8 +17,10 @@ from a fresh scheduler equals ``k`` calls of ``step()``.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Iterable
+import logging
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -27,6 +29,23 @@ from deepspeed.runtime import lr_schedules
 # The group keys a DeepSpeed scheduler writes: the rate, and OneCycle's cycled momentum
 # (``betas`` for Adam-style optimizers, ``momentum`` for SGD-style ones).
 SCHEDULED_KEYS = ("lr", "betas", "momentum")
+
+
+@contextlib.contextmanager
+def _without_not_started_warning() -> Iterator[None]:
+    """DeepSpeed's warm-up schedulers warn "Attempting to get learning rate from scheduler
+    before it has started" from their own constructor; for the throw-away scheduler that
+    computes a step's rate it says nothing, so it is filtered out while one is built."""
+
+    def keep(record: logging.LogRecord) -> bool:
+        return "before it has started" not in record.getMessage()
+
+    ds_logger = logging.getLogger("DeepSpeed")
+    ds_logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        ds_logger.removeFilter(keep)
 
 
 def constructor_hyper(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -80,7 +99,8 @@ class StepSchedule:
         dummy = torch.nn.Parameter(torch.zeros(1))
         optimizer = self.optimizer_cls([dummy], **self.defaults)
         if self.name is not None:
-            scheduler = getattr(lr_schedules, self.name)(optimizer, **self.params)
+            with _without_not_started_warning():
+                scheduler = getattr(lr_schedules, self.name)(optimizer, **self.params)
             if step > 0:
                 # Step k runs with the rate set after step k-1's update (DeepSpeed steps its
                 # scheduler after each optimizer step; step 0 uses the initial value).
