@@ -205,8 +205,12 @@ class CheckpointWriter:
         (directory / f"{rank_label}.meta.json").unlink(missing_ok=True)
         tmp_path = _temp_path(path)
         try:
+            # Serialised in memory first: torch.save's own writer turns a short write (a full
+            # disk) into "enforce fail ... unexpected pos", where a plain write says ENOSPC.
+            buffer = io.BytesIO()
+            torch.save(snapshot, buffer)
             with open(tmp_path, "xb") as handle:
-                torch.save(snapshot, handle)
+                handle.write(buffer.getbuffer())
                 handle.flush()
                 os.fsync(handle.fileno())
             # Hash what is on disk (from the page cache), not what we meant to write.

@@ -174,6 +174,7 @@ class Coordinator:
         # --resume: the stopped run's committed checkpoint the first generation restores.
         self.resume_from = resume_from
         self.checkpoint_write_errors: list[dict[str, Any]] = []
+        self.ckpt_errors_seen = 0  # checkpoint-error/<n> keys read
         self.ckpt_failed: set[int] = set()  # steps with a file that failed: never committed
         self.ckpt_extra: set[int] = set()  # checkpoints written off the interval (a stop)
         self.stop_requested = False
@@ -688,10 +689,11 @@ class Coordinator:
         self.release_store()
 
     def last_committed(self) -> int | None:
-        from spotline.checkpoint import latest_complete
-
-        root = self.cfg.checkpoint_root(self.output)
-        return latest_complete(root) if root.exists() else None
+        """The newest checkpoint this job committed (or resumed from): where a resume starts."""
+        known = set(self.ckpt_committed)
+        if self.resume_from is not None:
+            known.add(self.resume_from)
+        return max(known, default=None)
 
     # -- stopping and errors ----------------------------------------------------------
     def request_stop(self) -> None:
@@ -709,12 +711,10 @@ class Coordinator:
         target = -(-ahead // interval) * interval if interval > 0 else ahead
         self.stop_target = min(target, self.sl.training.steps)
         if self.stop_target < self.sl.training.steps:
-            print(
-                f"spotline: stopping at step {self.stop_target} after its checkpoint "
-                "(Ctrl-C again to stop at once)",
-                file=sys.stderr,
-                flush=True,
-            )
+            line = f"stopping at step {self.stop_target} after its checkpoint"
+        else:
+            line = f"the run ends at step {self.stop_target} before a checkpoint would: finishing"
+        print(f"spotline: {line} (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
         self._stop_keys(self.generation)
 
     def _stop_keys(self, g: int) -> None:
@@ -738,15 +738,19 @@ class Coordinator:
 
     def _poll_checkpoint_errors(self) -> None:
         """Report each checkpoint file a worker could not write, at once, on one line."""
-        while self.store.check([f"checkpoint-error/{len(self.checkpoint_write_errors) + 1}"]):
-            n = len(self.checkpoint_write_errors) + 1
-            entry = json.loads(self.store.get(f"checkpoint-error/{n}").decode())
-            self._checkpoint_write_failed(entry)
+        while self.store.check([f"checkpoint-error/{self.ckpt_errors_seen + 1}"]):
+            self.ckpt_errors_seen += 1
+            key = f"checkpoint-error/{self.ckpt_errors_seen}"
+            self._checkpoint_write_failed(json.loads(self.store.get(key).decode()))
 
     def _checkpoint_write_failed(self, entry: dict[str, Any]) -> None:
+        """Every failed file goes into the summary; the terminal hears once per step."""
         self.checkpoint_write_errors.append(entry)
-        self.ckpt_failed.add(int(entry["step"]))
-        line = f"checkpoint of step {entry['step']} not written: {entry['path']}: {entry['error']}"
+        step = int(entry["step"])
+        if step in self.ckpt_failed:
+            return
+        self.ckpt_failed.add(step)
+        line = f"checkpoint of step {step} not written: {entry['path']}: {entry['error']}"
         if self.sl.checkpoints.on_write_error == "stop":
             raise JobError(line)
         print(
