@@ -920,6 +920,11 @@ def main() -> int:
         return worker.run()
     except UserError as exc:
         print(f"spotline: error: {exc}", flush=True)
+        if worker is not None:
+            try:
+                worker.store.set(f"error/{worker.wid}", f"worker {worker.wid}: {exc}")
+            except Exception:  # the coordinator is gone: nobody to tell
+                pass
         return 2
     except Exception as exc:
         # An error outside a generation (reading a checkpoint, loading the data): the

@@ -666,7 +666,7 @@ class Coordinator:
             # (recoveries included, start-up and the final export excluded).
             self.train_wall_s = max(ends) - min(starts)
         self._poll_checkpoint_errors()  # those of the last steps, told as the workers exited
-        self._commit_checkpoints()
+        self._commit_checkpoints(upto=self.sl.training.steps)
         summary = self._summary(wall)
         self.release_store()
         return summary
@@ -685,7 +685,7 @@ class Coordinator:
                 p.proc.kill()
                 p.proc.wait()
         self._poll_checkpoint_errors()
-        self._commit_checkpoints()
+        self._commit_checkpoints(upto=self.stop_target)
         self.release_store()
 
     def last_committed(self) -> int | None:
@@ -956,11 +956,14 @@ class Coordinator:
         self._plan_next(live_reports, failure=failure, reached=reached)
         return "continue"
 
-    def _commit_checkpoints(self) -> None:
+    def _commit_checkpoints(self, upto: int | None = None) -> None:
+        """Commit every due checkpoint whose files are all there: the interval's up to the
+        step in flight (or ``upto``, once the workers have exited) and any written off it."""
         interval = self.interval_steps
         due = set(self.ckpt_extra)
+        last = self.max_progress() + 1 if upto is None else upto
         if interval > 0:
-            due.update(range(interval, self.max_progress() + 2, interval))
+            due.update(range(interval, last + 1, interval))
         due -= self.ckpt_committed | self.ckpt_failed
         if not due:
             return
