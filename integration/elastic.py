@@ -234,6 +234,12 @@ def abort_connections(keep_port: int) -> int:
     return count
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one line for the coordinator (its message may be empty or long)."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
+
+
 def packed_numel(st_names: list[tuple[str, torch.Size]]) -> int:
     return sum(3 * int(torch.Size(s).numel()) + 1 for _, s in st_names)
 
@@ -454,7 +460,7 @@ class ElasticWorker:
             outcome = "non-finite"
         except (RuntimeError, dist.DistBackendError, ConnectionError, TimeoutError) as exc:
             # A peer died or left mid-step; what this process holds survives in memory.
-            self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            self.error = one_line(exc)
             self._note(f"generation {generation}: {self.error}")
             outcome = "failed"
             # Tell every member at once (their watchdogs unblock them), and unblock our peers.
@@ -464,7 +470,7 @@ class ElasticWorker:
         except Exception as exc:
             # Not a lost peer (a full disk at the export, a bug): the job must stop with this
             # error, not recover from it. The traceback goes to this worker's log.
-            self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            self.error = one_line(exc)
             self._note(f"generation {generation}: error:\n{traceback.format_exc()}")
             outcome = "error"
             self._training_generation = None
@@ -935,9 +941,8 @@ def main() -> int:
         except OSError:  # the log is on a full disk
             pass
         if worker is not None:
-            cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
             try:
-                worker.store.set(f"error/{worker.wid}", f"worker {worker.wid}: {cause}")
+                worker.store.set(f"error/{worker.wid}", f"worker {worker.wid}: {one_line(exc)}")
             except Exception:  # the coordinator is gone: nobody to tell
                 pass
         return 1
