@@ -103,6 +103,12 @@ def resume_config(args: argparse.Namespace) -> tuple[Any, Path]:
     problem = resume_mismatch(stopped, cfg)
     if problem is not None:
         raise UserError(f"--resume {output}: {problem}")
+    if cfg.checkpoint_root(output) != stopped.checkpoint_root(output):
+        raise UserError(
+            f"--resume {output}: spotline.checkpoints.dir is "
+            f"{cfg.spotline.checkpoints.dir!r} here but {stopped.spotline.checkpoints.dir!r} "
+            "in the stopped run, whose checkpoints a resume reads; keep it"
+        )
     return cfg, output
 
 
