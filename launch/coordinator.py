@@ -300,9 +300,10 @@ class Coordinator:
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
-            # Its own process group: a Ctrl-C at the terminal reaches the coordinator only,
-            # which decides how the workers stop (no KeyboardInterrupt tracebacks in them).
-            process_group=0,
+            # Its own session (so its own process group): a Ctrl-C at the terminal reaches the
+            # coordinator only, which decides how the workers stop (no KeyboardInterrupt
+            # tracebacks in them). Not process_group=0: that needs Python 3.11.
+            start_new_session=True,
         )
         log.close()
         self.workers[wid] = WorkerProc(wid, proc, self.now(), warm=warm)
