@@ -50,7 +50,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -154,15 +154,23 @@ class CheckpointWriter:
     caller designates, commits and prunes them (protocol in the module docstring).
 
     ``keep`` (>= 1) complete checkpoints are kept. Errors of a background write are raised
-    by the next :meth:`wait` or :meth:`commit`. Pairs with :func:`latest_complete`,
-    :func:`load` and :func:`load_all`.
+    by the next :meth:`wait` or :meth:`commit`, unless ``on_error`` is given: then each is
+    handed to it at once, from the writing thread, as ``on_error(step, path, error)``, and
+    never raised. Pairs with :func:`latest_complete`, :func:`load` and :func:`load_all`.
     """
 
-    def __init__(self, root: Path, keep: int) -> None:
+    def __init__(
+        self,
+        root: Path,
+        keep: int,
+        *,
+        on_error: Callable[[int, Path, Exception], None] | None = None,
+    ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
         self.root = Path(root)
         self.keep = keep
+        self.on_error = on_error
         # One thread: writes of this process land in the order they were asked for, and at
         # most one serialised state is in flight besides the CPU copies queued behind it.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotline-ckpt")
@@ -176,18 +184,33 @@ class CheckpointWriter:
         _check_step(step)
         _check_label(rank_label)
         snapshot = _to_cpu(state)
-        future = self._executor.submit(self._write_rank_file, step, rank_label, snapshot)
+        future = self._executor.submit(self._write_reporting, step, rank_label, snapshot)
         with self._lock:
             self._pending.append(future)
+
+    def _write_reporting(self, step: int, rank_label: str, snapshot: Any) -> None:
+        try:
+            self._write_rank_file(step, rank_label, snapshot)
+        except Exception as error:
+            if self.on_error is None:
+                raise
+            self.on_error(step, step_dir(self.root, step) / f"{rank_label}.pt", error)
 
     def _write_rank_file(self, step: int, rank_label: str, snapshot: Any) -> None:
         directory = step_dir(self.root, step)
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"{rank_label}.pt"
+        # A sidecar left by an earlier attempt at this step (a resumed run redoing it) must
+        # not vouch for this attempt's file if this one fails.
+        (directory / f"{rank_label}.meta.json").unlink(missing_ok=True)
         tmp_path = _temp_path(path)
         try:
+            # Serialised in memory first: torch.save's own writer turns a short write (a full
+            # disk) into "enforce fail ... unexpected pos", where a plain write says ENOSPC.
+            buffer = io.BytesIO()
+            torch.save(snapshot, buffer)
             with open(tmp_path, "xb") as handle:
-                torch.save(snapshot, handle)
+                handle.write(buffer.getbuffer())
                 handle.flush()
                 os.fsync(handle.fileno())
             # Hash what is on disk (from the page cache), not what we meant to write.
@@ -214,13 +237,20 @@ class CheckpointWriter:
         if errors:
             raise errors[0]
 
-    def commit(self, step: int, expected_labels: Collection[str]) -> bool:
+    def commit(
+        self,
+        step: int,
+        expected_labels: Collection[str],
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> bool:
         """Write ``step``'s MANIFEST.json if every expected rank's file is in place, then prune.
 
         Joins this process's own pending writes first. Returns False (and writes nothing)
         when some expected label has no file yet; True once the manifest is written (or was
         already there). Call it in one designated process only, after a barrier that follows
-        every rank's :meth:`wait`.
+        every rank's :meth:`wait`. ``metadata`` (JSON) is kept in the manifest, read back by
+        :func:`read_metadata`.
         """
         _check_step(step)
         labels = sorted(set(expected_labels))
@@ -246,7 +276,13 @@ class CheckpointWriter:
                     "the file was changed after it was written"
                 )
             files[label] = {"file": meta["file"], "size": meta["size"], "sha256": meta["sha256"]}
-        manifest = {"format": MANIFEST_FORMAT, "step": step, "time": time.time(), "files": files}
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "step": step,
+            "time": time.time(),
+            "files": files,
+            "metadata": metadata or {},
+        }
         _write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
         self._prune()
         return True
@@ -287,6 +323,12 @@ def _read_manifest(root: Path, step: int) -> dict[str, Any]:
     if manifest.get("step") != step or not isinstance(manifest.get("files"), dict):
         raise CheckpointError(f"{path}: manifest is not a manifest of step {step}")
     return manifest
+
+
+def read_metadata(root: Path, step: int) -> dict[str, Any]:
+    """The ``metadata`` committed with ``step``'s manifest (empty if none was given)."""
+    metadata: dict[str, Any] = _read_manifest(root, step).get("metadata", {})
+    return metadata
 
 
 def verify_checkpoint(root: Path, step: int) -> list[str]:

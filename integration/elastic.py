@@ -29,6 +29,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -237,6 +238,12 @@ def abort_connections(keep_port: int) -> int:
     return count
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one line for the coordinator (its message may be empty or long)."""
+    lines = str(exc).splitlines()
+    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
+
+
 def packed_numel(st_names: list[tuple[str, torch.Size]]) -> int:
     return sum(3 * int(torch.Size(s).numel()) + 1 for _, s in st_names)
 
@@ -277,6 +284,9 @@ class ElasticWorker:
         self.rebalances: list[dict[str, Any]] = []  # moves within a generation (rank 0)
         self._measuring = False
         self.error: str | None = None
+        # Checkpoint writes that failed (from the writer's thread), not yet told to the store.
+        self._ckpt_errors: list[dict[str, Any]] = []
+        self._ckpt_errors_lock = threading.Lock()
 
     # -- plumbing ---------------------------------------------------------------------
     def _start_heartbeat(self) -> None:
@@ -365,9 +375,29 @@ class ElasticWorker:
         self._hb_stop.set()
         if self.checkpoints is not None:
             self.checkpoints.close()
+        self._publish_checkpoint_errors()  # the coordinator reads them once we have exited
         return 0
 
+    def _checkpoint_failed(self, step: int, path: Path, error: Exception) -> None:
+        """The checkpoint writer's thread: a file of ``step`` could not be written."""
+        with self._ckpt_errors_lock:
+            self._ckpt_errors.append(
+                {"step": step, "path": str(path), "error": str(error), "worker": self.wid}
+            )
+        self._note(f"checkpoint of step {step} not written: {path}: {error}")
+
+    def _publish_checkpoint_errors(self) -> None:
+        """Tell the coordinator of failed checkpoint writes: ``checkpoint-error/<n>`` (n from
+        the ``checkpoint-errors`` counter, 1, 2, ...). Only this (main) thread uses the store
+        connection."""
+        with self._ckpt_errors_lock:
+            errors, self._ckpt_errors = self._ckpt_errors, []
+        for entry in errors:
+            n = self.store.add("checkpoint-errors", 1)
+            self.store.set(f"checkpoint-error/{n}", json.dumps(entry))
+
     def _report(self, generation: int, outcome: str, layout: Layout | None) -> None:
+        self._publish_checkpoint_errors()
         previous = None
         if layout is not None and self.wid in layout.members:
             previous = list(layout.slot_of(self.wid))
@@ -432,12 +462,21 @@ class ElasticWorker:
             # step is applied: nothing to recover, the job must stop and say why.
             self.error = f"step {self._engine_step()}: {exc}"
             outcome = "non-finite"
-        except (RuntimeError, dist.DistBackendError, ConnectionError) as exc:
+        except (RuntimeError, dist.DistBackendError, ConnectionError, TimeoutError) as exc:
             # A peer died or left mid-step; what this process holds survives in memory.
-            self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            self.error = one_line(exc)
             self._note(f"generation {generation}: {self.error}")
             outcome = "failed"
             # Tell every member at once (their watchdogs unblock them), and unblock our peers.
+            self._training_generation = None
+            self.store.set(f"abort/{generation}", self.wid)
+            abort_connections(self.port)
+        except Exception as exc:
+            # Not a lost peer (a full disk at the export, a bug): the job must stop with this
+            # error, not recover from it. The traceback goes to this worker's log.
+            self.error = one_line(exc)
+            self._note(f"generation {generation}: error:\n{traceback.format_exc()}")
+            outcome = "error"
             self._training_generation = None
             self.store.set(f"abort/{generation}", self.wid)
             abort_connections(self.port)
@@ -451,7 +490,10 @@ class ElasticWorker:
         return int(engine.rng_step) if engine is not None else -1
 
     def _note(self, text: str) -> None:
-        print(f"[spotline {self.wid} {time.time():.2f}] {text}", flush=True)
+        try:
+            print(f"[spotline {self.wid} {time.time():.2f}] {text}", flush=True)
+        except OSError:  # the log is on a full disk: the store still carries what matters
+            pass
 
     def _build_engine(self, layout: Layout) -> RedundantPipelineEngine:
         from deepspeed.runtime.pipe.topology import PipeDataParallelTopology
@@ -625,6 +667,7 @@ class ElasticWorker:
             current["step"] = step
             self.store.set(f"progress/{generation}/{self.wid}", str(step))
             if self._should_stop(generation, step):
+                self._checkpoint_at_stop(engine, generation, step)
                 self._save_holdings(engine)
                 return "boundary"
             every = sl.elasticity.rebalance_every
@@ -644,6 +687,7 @@ class ElasticWorker:
             if sl.redundancy.verify_replicas and engine.replica is not None:
                 self._verify_replicas(engine, step)
             self._maybe_checkpoint(engine, step + 1)
+            self._publish_checkpoint_errors()
         self._save_holdings(engine)
         self._finish(engine, generation)
         return "done"
@@ -749,13 +793,34 @@ class ElasticWorker:
                 dist.destroy_process_group()
         gc.collect()
 
+    def _checkpoint_at_stop(
+        self, engine: RedundantPipelineEngine, generation: int, step: int
+    ) -> None:
+        """``stop-checkpoint/<g>``: the job stops at this boundary (a Ctrl-C) and resumes from
+        a checkpoint of it. Written here unless the interval wrote it already; waited for, so
+        that the coordinator can commit it once the members have reported."""
+        key = f"stop-checkpoint/{generation}"
+        if not self.store.check([key]) or int(self.store.get(key).decode()) != step:
+            return
+        interval = self.checkpoint_interval
+        if interval <= 0 or step % interval != 0:
+            self._write_checkpoint(engine, step)
+        if self.checkpoints is not None:
+            self.checkpoints.wait()  # errors went to _checkpoint_failed, never raised here
+        self._publish_checkpoint_errors()
+
     def _maybe_checkpoint(self, engine: RedundantPipelineEngine, step: int) -> None:
         interval = self.checkpoint_interval
         if interval <= 0 or step % interval != 0:
             return
+        self._write_checkpoint(engine, step)
+
+    def _write_checkpoint(self, engine: RedundantPipelineEngine, step: int) -> None:
         if self.checkpoints is None:
             self.checkpoints = CheckpointWriter(
-                self.cfg.checkpoint_root(self.output), self.cfg.spotline.checkpoints.keep
+                self.cfg.checkpoint_root(self.output),
+                self.cfg.spotline.checkpoints.keep,
+                on_error=self._checkpoint_failed,
             )
         if engine.grid.data_parallel_id != 0:
             return  # data-parallel peers hold identical state: pipeline 0 writes it
@@ -859,6 +924,7 @@ def main() -> int:
     parser.add_argument("--worker-id", required=True)
     parser.add_argument("--store", required=True)
     args = parser.parse_args()
+    worker: ElasticWorker | None = None
     try:
         worker = ElasticWorker(
             load_config(args.config), args.worker_id, args.store, Path(args.output)
@@ -866,7 +932,26 @@ def main() -> int:
         return worker.run()
     except UserError as exc:
         print(f"spotline: error: {exc}", flush=True)
+        if worker is not None:
+            try:
+                worker.store.set(f"error/{worker.wid}", f"worker {worker.wid}: {exc}")
+            except Exception:  # the coordinator is gone: nobody to tell
+                pass
         return 2
+    except Exception as exc:
+        # An error outside a generation (reading a checkpoint, loading the data): the
+        # traceback to this worker's log, the cause to the coordinator (``error/<worker>``),
+        # which stops the job with it instead of taking this exit for a preemption.
+        try:
+            traceback.print_exc()
+        except OSError:  # the log is on a full disk
+            pass
+        if worker is not None:
+            try:
+                worker.store.set(f"error/{worker.wid}", f"worker {worker.wid}: {one_line(exc)}")
+            except Exception:  # the coordinator is gone: nobody to tell
+                pass
+        return 1
 
 
 if __name__ == "__main__":

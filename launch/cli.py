@@ -4,15 +4,22 @@
 then starts the local worker processes itself, so that it can later kill, replace and add
 workers. A user mistake is one line on stderr and exit code 2, with nothing written that
 looks like a finished run.
+
+An output directory that holds checkpoints belongs to its run: ``--resume DIR`` continues
+that run from its last committed checkpoint (the math-deciding config must match), and a new
+run into it is refused, never cleared. A first Ctrl-C stops at the next step boundary that
+has a checkpoint and says how to resume; a second one stops at once (exit 130 either way).
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
+import os
+import signal
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from spotline.errors import UserError
@@ -29,6 +36,11 @@ def fail(message: str) -> int:
 def build_train_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="DeepSpeed config JSON with a 'spotline' section")
     parser.add_argument("--output", help="output directory (default: runs/<time>)")
+    parser.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the stopped run whose output directory is DIR from its last checkpoint",
+    )
     add_run_flags(parser, with_workers=True)
     from spotline.launch.flags import add_recovery_flags
 
@@ -41,48 +53,171 @@ def resolve_config(args: argparse.Namespace) -> Any:
     return with_overrides(load_config(args.config), overrides_from_args(args))
 
 
+RESOLVED_NAME = "config.resolved.json"
+
+
+def check_output(output: Path) -> None:
+    """``--output`` must be a directory or a path one can create: checked before any work."""
+    if output.exists() and not output.is_dir():
+        raise UserError(f"--output {output} is a file; pass a directory (new or existing)")
+    if output.is_dir():
+        if not os.access(output, os.W_OK | os.X_OK):
+            raise UserError(f"--output {output} is not writable; pass a directory you can write")
+        return
+    ancestor = output.absolute().parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UserError(f"--output {output} cannot be created: {ancestor} is a file")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserError(f"--output {output} cannot be created: {ancestor} is not writable")
+
+
+def resume_config(args: argparse.Namespace) -> tuple[Any, Path]:
+    """``--resume DIR``: the config to continue with (the stopped run's, or --config's, with
+    the flags on top) and the output directory (DIR). The math-deciding keys must match."""
+    from spotline.config import load_config, parse_config, resume_mismatch, with_overrides
+
+    output = Path(args.resume)
+    saved = output / RESOLVED_NAME
+    if not saved.is_file():
+        raise UserError(
+            f"--resume {output}: no {RESOLVED_NAME} there; pass the output directory of a "
+            "stopped `spotline train` run"
+        )
+    if args.output is not None and Path(args.output).resolve() != output.resolve():
+        raise UserError(
+            f"--resume {output} continues the run in {output}; drop --output {args.output} "
+            "or make it the same directory"
+        )
+    stopped = load_config(saved)
+    if args.config is not None:
+        base = load_config(args.config)
+    else:
+        # The stopped run's injected faults were its own, at its steps: not replayed.
+        raw = stopped.to_json()
+        raw["spotline"]["recovery"]["inject"] = []
+        raw["spotline"]["elasticity"]["rescale"] = None
+        base = parse_config(raw, source=str(saved))
+    cfg = with_overrides(base, overrides_from_args(args))
+    problem = resume_mismatch(stopped, cfg)
+    if problem is not None:
+        raise UserError(f"--resume {output}: {problem}")
+    if cfg.checkpoint_root(output) != stopped.checkpoint_root(output):
+        raise UserError(
+            f"--resume {output}: spotline.checkpoints.dir is "
+            f"{cfg.spotline.checkpoints.dir!r} here but {stopped.spotline.checkpoints.dir!r} "
+            "in the stopped run, whose checkpoints a resume reads; keep it"
+        )
+    return cfg, output
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    try:
+        return _cmd_train(args)
+    except KeyboardInterrupt:  # before any worker started: nothing to stop
+        print("spotline: interrupted", file=sys.stderr, flush=True)
+        return 130
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
     from spotline.tracking import SUMMARY_NAME, write_json_atomic
 
     try:
-        cfg = resolve_config(args)
+        if args.resume is not None:
+            cfg, output = resume_config(args)
+        else:
+            cfg = resolve_config(args)
+            output = Path(args.output or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+            check_output(output)
+            shared = cfg.spotline.checkpoints.dir
+            root = cfg.checkpoint_root(output)
+            if root.is_dir() and any(root.iterdir()):
+                # A restore must never read another job's checkpoint, and a rerun must never
+                # destroy the checkpoints of the run it repeats.
+                if shared:
+                    raise UserError(
+                        f"checkpoints.dir {shared} already holds files from another run; "
+                        "continue that run with --resume (its --output directory), empty "
+                        "checkpoints.dir or give this run its own directory"
+                    )
+                raise UserError(
+                    f"--output {output} holds the checkpoints of an earlier run; continue it "
+                    f"with `spotline train --resume {output}`, or pass another --output"
+                )
         # Importing torch/transformers costs seconds; it buys a one-line error before any
         # process starts for a missing model directory or a corpus too small for a batch.
         from spotline.trainer import prepare_inputs
 
         prepare_inputs(cfg)
         validate_recovery(cfg)
-        shared = cfg.spotline.checkpoints.dir
-        if shared and Path(shared).is_dir() and any(Path(shared).iterdir()):
-            # A restore must never read another job's checkpoint.
-            raise UserError(
-                f"checkpoints.dir {shared} already holds files from another run; "
-                "empty it or give this run its own directory"
-            )
+        resume_from: int | None = None
+        if args.resume is not None:
+            from spotline.checkpoint import latest_complete
+
+            root = cfg.checkpoint_root(output)
+            resume_from = latest_complete(root) if root.is_dir() else None
+            if resume_from is None:
+                print(
+                    f"spotline: {output} has no committed checkpoint; training from step 0",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            else:
+                print(f"spotline: resuming from step {resume_from}", file=sys.stderr, flush=True)
+        try:
+            output.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--output {output} cannot be created: {exc}") from None
     except UserError as exc:
         return fail(str(exc))
-    output = Path(args.output or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    output.mkdir(parents=True, exist_ok=True)
-    # A summary left by an earlier run in this directory must not pass for this run's, nor
-    # may its checkpoints be restored by this run: the output directory is this run's now.
+    # A summary left by an earlier run in this directory must not pass for this run's.
     (output / SUMMARY_NAME).unlink(missing_ok=True)
-    if not cfg.spotline.checkpoints.dir:
-        shutil.rmtree(cfg.checkpoint_root(output), ignore_errors=True)
-    resolved = output / "config.resolved.json"
+    resolved = output / RESOLVED_NAME
     write_json_atomic(resolved, cfg.to_json())
 
-    from spotline.launch.coordinator import Coordinator, child_environment
+    from spotline.launch.coordinator import Coordinator, Stopped, child_environment
 
     env = child_environment()
     env["OMP_NUM_THREADS"] = str(cfg.spotline.determinism.intra_op_threads)
     try:
-        coordinator = Coordinator(cfg, resolved, output, env=env)
+        coordinator = Coordinator(cfg, resolved, output, env=env, resume_from=resume_from)
     except UserError as exc:  # e.g. an unreachable etcd
         return fail(str(exc))
+    interrupts = 0
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts == 1:
+            coordinator.request_stop()  # the coordinator's loop picks the boundary
+        else:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    resume_hint = f"resume with: spotline train --resume {output}"
     try:
         summary = coordinator.run()
-    except KeyboardInterrupt:
+    except Stopped as stop:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the workers have exited already
         coordinator.shutdown()
+        if stop.step == stop.stopped_at:
+            print(f"spotline: stopped at step {stop.stopped_at}; {resume_hint}", file=sys.stderr)
+        else:
+            since = "step 0" if stop.step is None else f"its last checkpoint, step {stop.step}"
+            print(
+                f"spotline: stopped at step {stop.stopped_at} without its checkpoint; "
+                f"{resume_hint} (from {since})",
+                file=sys.stderr,
+            )
+        return 130
+    except KeyboardInterrupt:
+        # A second Ctrl-C: stop at once (a third one must not interrupt the cleanup).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        coordinator.shutdown()
+        step = coordinator.last_committed()
+        since = "step 0" if step is None else f"step {step}"
+        print(f"spotline: stopped at once; {resume_hint} (from {since})", file=sys.stderr)
         return 130
     except RuntimeError as exc:
         coordinator.shutdown()
@@ -91,6 +226,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     except BaseException:
         coordinator.shutdown()
         raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
     if summary.get("param_sha256") is None:
         print(
             f"spotline: error: the run ended without a result; see {output}/logs", file=sys.stderr

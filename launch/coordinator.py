@@ -14,8 +14,18 @@ Store keys (all under one TCPStore):
 - ``report/<g>/<worker>``: what a worker holds at the end of generation g (JSON).
 - ``hb/<worker>``, ``progress/<worker>``, ``leaving/<worker>``, ``joined/<worker>``.
 - ``stop/<g>``: members of generation g stop at this step (arrivals and departures).
+- ``stop-checkpoint/<g>``: the job stops (a Ctrl-C) at this step boundary of generation g;
+  members write a checkpoint of it there unless the interval did (same value as ``stop/<g>``).
+- ``ready/<g>/<worker>``, ``final/param_sha256``, ``abort/<g>``.
 - ``loss/<step>``, ``lr/<step>``: the step's loss and learning rate (rank 0 writes them).
-- ``ready/<g>/<worker>``, ``final/param_sha256``.
+- ``checkpoint-errors``: a counter (``add``); ``checkpoint-error/<n>`` (n = 1, 2, ...): a
+  checkpoint file a worker could not write (JSON: step, path, error, worker).
+- ``error/<worker>``: why a worker exited with an error outside a generation (one line); an
+  error inside one is its report's outcome "error". Either stops the job with that error.
+
+A worker that exits with an error, or reports one, is not a preemption: the job stops and
+says why (``JobError``). A first Ctrl-C (``request_stop``) stops the job at the next step
+boundary that has a checkpoint (``Stopped``); the second one is the caller's to handle.
 """
 
 from __future__ import annotations
@@ -63,6 +73,20 @@ THROUGHPUT_EVERY_S = 1.0
 POLL_S = 0.02
 
 
+class JobError(RuntimeError):
+    """The job cannot go on (a worker's error, a checkpoint that could not be written)."""
+
+
+class Stopped(Exception):
+    """The job stopped as asked (a Ctrl-C); ``step`` is where a resume starts (None: none
+    was committed, a resume starts from step 0)."""
+
+    def __init__(self, step: int | None, stopped_at: int) -> None:
+        super().__init__(f"stopped at step {stopped_at}")
+        self.step = step
+        self.stopped_at = stopped_at
+
+
 @dataclass
 class WorkerProc:
     wid: str
@@ -84,7 +108,13 @@ class Event:
 
 class Coordinator:
     def __init__(
-        self, cfg: RunConfig, config_path: Path, output: Path, *, env: dict[str, str]
+        self,
+        cfg: RunConfig,
+        config_path: Path,
+        output: Path,
+        *,
+        env: dict[str, str],
+        resume_from: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.sl = cfg.spotline
@@ -117,6 +147,7 @@ class Coordinator:
         self.steps_redone = 0
         self.recovery_events: list[dict[str, Any]] = []
         self.losses: dict[int, float] = {}
+        self.learning_rates: dict[int, float] = {}
         self.step_times: dict[int, float] = {}
         self.peaks: dict[str, float] = {}
         self.pending_failure_t: float | None = None
@@ -142,6 +173,24 @@ class Coordinator:
         self.reconfigurations: list[dict[str, Any]] = []  # generation changes without a failure
         self.generation_end_t: float | None = None
         self.failures_without_loss = 0
+        # --resume: the stopped run's committed checkpoint the first generation restores.
+        self.resume_from = resume_from
+        self.checkpoint_write_errors: list[dict[str, Any]] = []
+        self.ckpt_errors_seen = 0  # checkpoint-error/<n> keys read
+        self.ckpt_failed: set[int] = set()  # steps with a file that failed: never committed
+        self.ckpt_extra: set[int] = set()  # checkpoints written off the interval (a stop)
+        self.stop_requested = False
+        self.stop_target: int | None = None
+        self.stop_applied: set[int] = set()  # generations told about the stop
+        if resume_from is not None:
+            from spotline.checkpoint import read_metadata
+
+            root = cfg.checkpoint_root(output)
+            metadata = read_metadata(root, resume_from)
+            for step, loss in metadata.get("losses", {}).items():
+                self.losses[int(step)] = loss
+            for step, lr in metadata.get("learning_rates", {}).items():
+                self.learning_rates[int(step)] = lr
 
     # -- time and events --------------------------------------------------------------
     def now(self) -> float:
@@ -256,6 +305,10 @@ class Coordinator:
             env=self.env,
             stdout=log,
             stderr=subprocess.STDOUT,
+            # Its own session (so its own process group): a Ctrl-C at the terminal reaches the
+            # coordinator only, which decides how the workers stop (no KeyboardInterrupt
+            # tracebacks in them). Not process_group=0: that needs Python 3.11.
+            start_new_session=True,
         )
         log.close()
         self.workers[wid] = WorkerProc(wid, proc, self.now(), warm=warm)
@@ -332,6 +385,11 @@ class Coordinator:
                     self._event("preempted", worker=w, signal="kill")
                 elif p.fate == "running":
                     p.fate = "exited" if code == 0 else "crashed"
+                if code not in (0, -signal.SIGKILL, -signal.SIGTERM) and self.store.check(
+                    [f"error/{w}"]
+                ):
+                    # An error, not a lost process: redoing the work would only repeat it.
+                    raise JobError(self.store.get(f"error/{w}").decode())
                 died.append(w)
                 if code not in (0, -signal.SIGKILL, -signal.SIGTERM):
                     self._event("worker-exit", worker=w, code=code)
@@ -504,6 +562,8 @@ class Coordinator:
 
     # -- generations ------------------------------------------------------------------
     def _publish(self, generation: int, plan: dict[str, Any]) -> None:
+        if plan["action"] != "finish":
+            self._stop_keys(generation)  # a stop chosen earlier holds for this one too
         self.store.set(f"plan/{generation}", json.dumps(plan))
 
     def _plan_json(
@@ -522,6 +582,7 @@ class Coordinator:
             "resume_step": resume,
             "holders": {str(k): v for k, v in holders.items()},
             "sources": [list(x) for x in sources],
+            "checkpoint_interval": self.interval_steps,
             **extra,
         }
 
@@ -567,13 +628,26 @@ class Coordinator:
         self.initial_ids = list(ids)
         self._keep_warm()
         self.layout = initial_layout(S, P, ids, elastic=True)
-        self._publish(0, self._plan_json("train", self.layout, 0, {}, []))
-        self._event("start", workers=len(ids))
+        if self.resume_from is None:
+            self._publish(0, self._plan_json("train", self.layout, 0, {}, []))
+        else:
+            # Every member reads every stage from the checkpoint: no transfers.
+            step = self.resume_from
+            self.resume_step = step
+            holders = {s: list(ids) for s in range(S)}
+            self._publish(
+                0,
+                self._plan_json("restore", self.layout, step, holders, [], checkpoint_step=step),
+            )
+        self._event("start", workers=len(ids), step=self.resume_step)
         t_start = time.monotonic()
         while True:
             outcome = self._run_generation()
-            if outcome == "done":
+            if outcome in ("done", "stopped"):
                 break
+        if outcome == "stopped":
+            self._stop_workers()
+            raise Stopped(self.last_committed(), self.stop_target or self.max_progress())
         end = time.monotonic()
         wall = end - t_start
         # Training time: from the first step to the last commit, recoveries included.
@@ -597,9 +671,100 @@ class Coordinator:
             # Training time from the workers' clocks: first step start to last step end
             # (recoveries included, start-up and the final export excluded).
             self.train_wall_s = max(ends) - min(starts)
+        self._poll_checkpoint_errors()  # those of the last steps, told as the workers exited
+        self._commit_checkpoints(upto=self.sl.training.steps)
         summary = self._summary(wall)
         self.release_store()
         return summary
+
+    def _stop_workers(self) -> None:
+        """After a stop at a boundary: every worker exits, its checkpoint writes done; the
+        stop's checkpoint is committed."""
+        self._publish(self.generation + 1, {"action": "finish"})
+        for w in self.live_ids() + self.warm_ids():
+            if w not in self.included:
+                self.store.set(f"entry/{w}", str(self.generation + 1))
+        for p in self.workers.values():
+            try:
+                p.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait()
+        self._poll_checkpoint_errors()
+        self._commit_checkpoints(upto=self.stop_target)
+        self.release_store()
+
+    def last_committed(self) -> int | None:
+        """The newest checkpoint this job committed (or resumed from): where a resume starts."""
+        known = set(self.ckpt_committed)
+        if self.resume_from is not None:
+            known.add(self.resume_from)
+        return max(known, default=None)
+
+    # -- stopping and errors ----------------------------------------------------------
+    def request_stop(self) -> None:
+        """A first Ctrl-C (called from a signal handler: it only sets a flag)."""
+        self.stop_requested = True
+
+    def _apply_stop(self) -> None:
+        """After a first Ctrl-C: choose where the job stops, the next step boundary that has
+        a checkpoint (the interval's, or one written there), a little ahead so that every
+        member sees it in time, and tell the current generation."""
+        if not self.stop_requested or self.stop_target is not None:
+            return
+        ahead = self.max_progress() + 2
+        interval = self.interval_steps
+        target = -(-ahead // interval) * interval if interval > 0 else ahead
+        self.stop_target = min(target, self.sl.training.steps)
+        if self.stop_target < self.sl.training.steps:
+            line = f"stopping at step {self.stop_target} after its checkpoint"
+        else:
+            line = f"the run ends at step {self.stop_target} before a checkpoint would: finishing"
+        print(f"spotline: {line} (Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
+        self._stop_keys(self.generation)
+
+    def _stop_keys(self, g: int) -> None:
+        """``stop-checkpoint/<g>`` and ``stop/<g>`` for the stop chosen by ``_apply_stop``
+        (generations planned after it get them before their plan is published)."""
+        if self.stop_target is None or g in self.stop_applied:
+            return
+        self.stop_applied.add(g)
+        target = max(self.stop_target, self.resume_step)
+        if target >= self.sl.training.steps:
+            return  # the run ends first: it finishes as usual
+        if self.interval_steps <= 0 or target % self.interval_steps != 0:
+            self.ckpt_extra.add(target)
+        # Set before stop/<g>: a member that sees the stop must see where to checkpoint.
+        self.store.set(f"stop-checkpoint/{g}", str(target))
+        key = f"stop/{g}"
+        if not self.store.check([key]) or int(self.store.get(key).decode()) > target:
+            # An arrival's boundary that comes later moves to the stop (no member has
+            # passed it: the target is ahead of every member).
+            self.store.set(key, str(target))
+
+    def _poll_checkpoint_errors(self) -> None:
+        """Report each checkpoint file a worker could not write, at once, on one line."""
+        while self.store.check([f"checkpoint-error/{self.ckpt_errors_seen + 1}"]):
+            self.ckpt_errors_seen += 1
+            key = f"checkpoint-error/{self.ckpt_errors_seen}"
+            self._checkpoint_write_failed(json.loads(self.store.get(key).decode()))
+
+    def _checkpoint_write_failed(self, entry: dict[str, Any]) -> None:
+        """Every failed file goes into the summary; the terminal hears once per step."""
+        self.checkpoint_write_errors.append(entry)
+        step = int(entry["step"])
+        if step in self.ckpt_failed:
+            return
+        self.ckpt_failed.add(step)
+        line = f"checkpoint of step {step} not written: {entry['path']}: {entry['error']}"
+        if self.sl.checkpoints.on_write_error == "stop":
+            raise JobError(line)
+        print(
+            f"spotline: warning: {line}; training goes on without it "
+            '(checkpoints.on_write_error "continue")',
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _members(self) -> list[str]:
         if self.layout is None:
@@ -688,6 +853,8 @@ class Coordinator:
             self._deliver_step_injections()
             self._deliver_rescales()
             self._admit_joiners()
+            self._apply_stop()
+            self._poll_checkpoint_errors()
             self._show_progress()
             self._record_throughput()
             if time.monotonic() - self.last_commit_check > 0.5:
@@ -736,6 +903,14 @@ class Coordinator:
             self.worker_stats[w] = rep
         self.generation_end_t = first_report_t
         outcomes = {w: r["outcome"] for w, r in reports.items()}
+        failed = sorted(
+            f"worker {w}: {r['error']}" for w, r in reports.items() if r.get("outcome") == "error"
+        )
+        if failed:
+            # Not a lost process: a full disk, an export error, a bug. Redoing the work
+            # would repeat it; stop with the cause.
+            raise JobError(failed[0])
+        self._poll_checkpoint_errors()
         errors = sorted({r["error"] for r in reports.values() if r.get("outcome") == "non-finite"})
         if errors:
             # Not a failure to recover from: the same step would give the same gradients.
@@ -746,6 +921,13 @@ class Coordinator:
         members = self._members()
         if members and all(outcomes.get(w) == "done" for w in members):
             return "done"
+        if (
+            self.stop_target is not None
+            and members
+            and all(outcomes.get(w) == "boundary" for w in members)
+            and self.max_progress() >= self.stop_target
+        ):
+            return "stopped"
         # A generation ended early: failure, arrival or departure.
         # The step in flight when the generation ended (started, maybe not committed).
         reached = self.max_progress() + 1
@@ -780,18 +962,45 @@ class Coordinator:
         self._plan_next(live_reports, failure=failure, reached=reached)
         return "continue"
 
-    def _commit_checkpoints(self) -> None:
+    def _commit_checkpoints(self, upto: int | None = None) -> None:
+        """Commit every due checkpoint whose files are all there: the interval's up to the
+        step in flight (or ``upto``, once the workers have exited) and any written off it."""
         interval = self.interval_steps
-        if interval <= 0:
+        due = set(self.ckpt_extra)
+        last = self.max_progress() + 1 if upto is None else upto
+        if interval > 0:
+            due.update(range(interval, last + 1, interval))
+        due -= self.ckpt_committed | self.ckpt_failed
+        if not due:
             return
-        from spotline.checkpoint import CheckpointWriter
+        from spotline.checkpoint import CheckpointWriter, step_dir
 
         root = self.cfg.checkpoint_root(self.output)
         writer = CheckpointWriter(root, self.sl.checkpoints.keep)
         labels = [f"stage-{s}" for s in range(self.cfg.num_stages)]
-        for step in range(interval, self.max_progress() + 2, interval):
-            if step not in self.ckpt_committed and writer.commit(step, labels):
-                self.ckpt_committed.add(step)
+        for step in sorted(due):
+            directory = step_dir(root, step)
+            if not all((directory / f"{label}.meta.json").exists() for label in labels):
+                continue  # not written yet (commit would say so, after the losses' lookups)
+            # Rank 0 stores a step's loss before its own checkpoint file: every loss before
+            # ``step`` is in the store once the files are. Kept with the checkpoint, so
+            # that a resumed run's summary has every step's loss.
+            self._collect_step_values(step)
+            metadata = {
+                name: {str(s): values[s] for s in range(step) if s in values}
+                for name, values in (
+                    ("losses", self.losses),
+                    ("learning_rates", self.learning_rates),
+                )
+            }
+            try:
+                if writer.commit(step, labels, metadata=metadata):
+                    self.ckpt_committed.add(step)
+            except OSError as exc:
+                path = step_dir(root, step) / "MANIFEST.json"
+                self._checkpoint_write_failed(
+                    {"step": step, "path": str(path), "error": str(exc), "worker": "coordinator"}
+                )
 
     def _plan_next(self, reports: list[WorkerReport], *, failure: bool, reached: int) -> None:
         S, P = self.cfg.num_stages, self.cfg.num_pipelines
@@ -967,23 +1176,25 @@ class Coordinator:
         self._event("restart-all", workers=len(fresh))
         self._restore([WorkerReport(w) for w in fresh], self.generation, reached)
 
+    def _collect_step_values(self, steps: int, *, refresh: bool = False) -> None:
+        """Read the loss and learning rate of steps ``0..steps-1`` from the store.
+
+        Rank 0 of each generation writes them as it goes (a worker killed later cannot take
+        them along); a redone step writes the same values again. Without ``refresh`` a
+        step already read is not read again."""
+        for s in range(steps):
+            for prefix, values in (("loss", self.losses), ("lr", self.learning_rates)):
+                key = f"{prefix}/{s}"
+                if (refresh or s not in values) and self.store.check([key]):
+                    values[s] = float(self.store.get(key).decode())
+
     # -- summary ----------------------------------------------------------------------
     def _summary(self, wall: float) -> dict[str, Any]:
         steps = self.sl.training.steps
-        # Rank 0 of each generation writes every step's loss to the store as it goes (a worker
-        # killed later cannot take it along); a redone step writes the same value again.
-        for s in range(steps):
-            key = f"loss/{s}"
-            if self.store.check([key]):
-                self.losses[s] = float(self.store.get(key).decode())
+        self._collect_step_values(steps, refresh=True)
         # A step committed while its loss was being aggregated has no reported loss (None).
         losses = [self.losses.get(s) for s in range(steps)]
-        # The learning rate each step's update used (a function of the step; written by the
-        # same rank as the loss).
-        learning_rates = [
-            float(self.store.get(f"lr/{s}").decode()) if self.store.check([f"lr/{s}"]) else None
-            for s in range(steps)
-        ]
+        learning_rates = [self.learning_rates.get(s) for s in range(steps)]
         key = "final/param_sha256"
         param_hash = self.store.get(key).decode() if self.store.check([key]) else None
         samples = steps * self.cfg.samples_per_step
@@ -1039,6 +1250,8 @@ class Coordinator:
             "redundancy": self.sl.redundancy.mode,
             "recovery_mode": self.sl.recovery.mode,
             "checkpoint_interval_steps": self.interval_steps,
+            "checkpoint_write_errors": self.checkpoint_write_errors,
+            "resumed_from_step": self.resume_from,
             "param_sha256": param_hash,
             "peak_rss_mib_per_worker": self.peaks,
             "peak_rss_mib_per_rank": [self.peaks.get(w, 0.0) for w in ranked],

@@ -100,3 +100,29 @@ def test_bad_logical_workers_and_rescales(tmp_path: Path, flags, needles) -> Non
     out = tmp_path / "out"
     proc = run_spotline(["train", "--stages", "1", "--workers", "2", *flags, "--output", str(out)])
     _check(proc, out, *needles)
+
+
+def test_output_naming_an_existing_file(tmp_path: Path) -> None:
+    """Refused before any work (no model or corpus is loaded), the file left alone."""
+    out = tmp_path / "a-file"
+    out.write_text("mine")
+    proc = run_spotline(["train", "--output", str(out)])
+    _check(proc, tmp_path / "nowhere", f"--output {out}", "is a file")
+    assert out.read_text() == "mine"
+
+
+def test_output_that_cannot_be_created(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("mine")
+    out = blocker / "run"
+    proc = run_spotline(["train", "--output", str(out)])
+    _check(proc, tmp_path / "nowhere", f"--output {out}", "cannot be created", str(blocker))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
+
+
+def test_resume_of_a_directory_without_a_run(tmp_path: Path) -> None:
+    out = tmp_path / "empty"
+    out.mkdir()
+    proc = run_spotline(["train", "--resume", str(out)])
+    _check(proc, out, f"--resume {out}", "config.resolved.json")
+    assert list(out.iterdir()) == []
