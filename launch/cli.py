@@ -125,7 +125,7 @@ def validate_recovery(cfg: Any) -> None:
     if rec.trace is not None:
         if not Path(rec.trace).is_file():
             raise UserError(
-                f"--trace {rec.trace}: no such file; pass a trace file (see shared/traces/README.md)"
+                f"--trace {rec.trace}: no such file; pass a trace file (formats and public traces: integration/assets/traces/README.md)"
             )
         try:
             trace = load_trace(rec.trace)
