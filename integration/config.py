@@ -368,6 +368,17 @@ def validate(cfg: RunConfig) -> None:
             f"--workers {sl.topology.workers} is not divisible by --stages {sl.topology.stages}; "
             f"use a multiple of {sl.topology.stages} workers (each pipeline needs one per stage)"
         )
+    logical = sl.elasticity.logical_workers
+    if logical is not None and logical < cfg.num_physical_pipelines:
+        # One rule for both entry points (spotline train and DeepSpeed's launcher): a
+        # pipeline with no logical worker would idle, and DeepSpeed's launcher cannot keep a
+        # process out of the job as a standby.
+        raise UserError(
+            f"--logical-workers {logical} is fewer than the {cfg.num_physical_pipelines} "
+            f"pipelines that {sl.topology.workers} worker processes form with {sl.topology.stages} "
+            f"stage(s); use at least {cfg.num_physical_pipelines} logical workers or "
+            f"{logical * sl.topology.stages} worker processes"
+        )
     if "train_batch_size" in ds:
         expected = cfg.samples_per_step
         if ds["train_batch_size"] != expected:
