@@ -70,7 +70,9 @@ class TrainingSection:
 class RedundancySection:
     """Bamboo-style redundancy: each stage holds its successor's replica."""
 
-    mode: RedundancyMode = "off"
+    # Lazy by default: a preemption is taken over from memory, which is what Spotline is for;
+    # "off" leaves only checkpoints (and a restart from scratch without them).
+    mode: RedundancyMode = "lazy"
     replica_device: ReplicaDevice = "host"
     # Compare every replica with its owner (digests of parameters and optimizer state)
     # after every step: a correctness check that costs one small all-gather per step.

@@ -51,6 +51,13 @@ from spotline.redundancy import RedundantPipelineEngine
 from spotline.runtime import configure_process, param_sha256, peak_rss_mib, seed_everything
 
 OPT_KEYS = ("step", "exp_avg", "exp_avg_sq")
+# A worker whose coordinator is gone exits with this code (nobody is left to read it, but a
+# supervisor or a test can tell it from a crash).
+EXIT_COORDINATOR_LOST = 3
+
+
+class CoordinatorLost(Exception):
+    """The coordinator's store no longer accepts connections: no plan will ever come."""
 
 
 @dataclass
@@ -257,6 +264,8 @@ class ElasticWorker:
         self.losses: dict[int, float] = {}
         self.step_times: dict[int, float] = {}
         self._hb_stop = threading.Event()
+        self._lost_lock = threading.Lock()
+        self._lost_said = False
         self.checkpoints: CheckpointWriter | None = None
         self.checkpoint_interval = cfg.spotline.checkpoints.interval_steps
         self._training_generation: int | None = None
@@ -292,11 +301,41 @@ class ElasticWorker:
                         # A peer failed: unblock whatever gloo operation this process waits in.
                         self._training_generation = None
                         abort_connections(self.port)
-                except Exception:  # the coordinator is gone: nothing left to report to
+                except Exception:
+                    if not self._hb_stop.is_set() and not self.coordinator_alive():
+                        # The main thread may be blocked in a collective with live peers
+                        # for as long as the collective timeout: exit from here, now.
+                        self.say_coordinator_lost()
+                        os._exit(EXIT_COORDINATOR_LOST)
                     return
                 self._hb_stop.wait(self._hb_interval)
 
         threading.Thread(target=beat, name="spotline-heartbeat", daemon=True).start()
+
+    def coordinator_alive(self) -> bool:
+        """Whether the coordinator's TCPStore still accepts connections. An etcd store
+        outlives the coordinator by design: it is never taken for lost here."""
+        if self.store_spec.backend != "tcp":
+            return True
+        import socket
+
+        try:
+            with socket.create_connection((self.store_spec.host, self.store_spec.port), 2.0):
+                return True
+        except OSError:
+            return False
+
+    def say_coordinator_lost(self) -> None:
+        """One line, once: the heartbeat thread and the main thread may both find out."""
+        with self._lost_lock:
+            if self._lost_said:
+                return
+            self._lost_said = True
+        spec = self.store_spec
+        print(
+            f"spotline worker {self.wid}: lost the coordinator at {spec.host}:{spec.port}; exiting",
+            flush=True,
+        )
 
     def _on_term(self, signum: int, frame: Any) -> None:
         # A preemption notice: finish the step, leave at the next boundary, and in any
@@ -429,6 +468,8 @@ class ElasticWorker:
             self.error = f"step {self._engine_step()}: {exc}"
             outcome = "non-finite"
         except (RuntimeError, dist.DistBackendError, ConnectionError) as exc:
+            if not self.coordinator_alive():
+                raise CoordinatorLost from None
             # A peer died or left mid-step; what this process holds survives in memory.
             self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
             self._note(f"generation {generation}: {self.error}")
@@ -853,6 +894,7 @@ def main() -> int:
     parser.add_argument("--worker-id", required=True)
     parser.add_argument("--store", required=True)
     args = parser.parse_args()
+    worker: ElasticWorker | None = None
     try:
         worker = ElasticWorker(
             load_config(args.config), args.worker_id, args.store, Path(args.output)
@@ -861,6 +903,14 @@ def main() -> int:
     except UserError as exc:
         print(f"spotline: error: {exc}", flush=True)
         return 2
+    except Exception:
+        # A store operation failed because the coordinator is gone (SIGKILLed, its machine
+        # lost): one line, not a DistNetworkError traceback. Anything else is a real bug.
+        if worker is None or worker.coordinator_alive():
+            raise
+        worker.say_coordinator_lost()
+        # Gloo's threads and sockets to the peers must not run interpreter teardown.
+        os._exit(EXIT_COORDINATOR_LOST)
 
 
 if __name__ == "__main__":

@@ -172,10 +172,32 @@ def format_summary(s: dict[str, Any], output: Path) -> str:
             f"  {loss}   {s['samples_per_s']:.1f} samples/s   {s['wall_s']:.1f} s",
             f"  preemptions {s['preemptions']}  recoveries {s['recoveries']}  "
             f"checkpoint fallbacks {s['checkpoint_fallbacks']}  steps redone {s.get('steps_redone', 0)}",
+            *recovery_lines(s),
             f"  param_sha256 {s['param_sha256']}",
             f"  summary: {output / 'summary.json'}   model: {output / 'model'}",
         ]
     )
+
+
+def recovery_lines(s: dict[str, Any]) -> list[str]:
+    """What the recoveries were, in words: in memory (Spotline's point) or from disk.
+
+    Whether the parameters equal an undisturbed run's cannot be known inside one run (that
+    needs the other run): only what this run did is said."""
+    events = s.get("recovery_events", [])
+    in_memory = [e["recovery_s"] for e in events if e.get("in_memory")]
+    if not in_memory:
+        return []
+    times = ", ".join(f"{t:.2f} s" for t in in_memory)
+    takeovers = f"{len(in_memory)} takeover{'s' if len(in_memory) > 1 else ''}"
+    fallbacks = s.get("checkpoint_fallbacks", 0)
+    if fallbacks:
+        return [f"  {takeovers} in memory in {times}; {fallbacks} fallback(s) to a checkpoint"]
+    count = s["preemptions"]
+    noun = "preemption" if count == 1 else "preemptions"
+    if len(in_memory) == 1:
+        return [f"  {count} {noun} survived in memory in {times} (no checkpoint read)"]
+    return [f"  {count} {noun} survived in memory ({takeovers}: {times}; no checkpoint read)"]
 
 
 def main(argv: list[str] | None = None) -> int:
