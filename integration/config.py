@@ -139,6 +139,9 @@ class RecoverySection:
     # sqrt(2 * cost * MTBF) needs these estimates (seconds).
     checkpoint_cost_s: float = 0.05
     step_time_estimate_s: float = 0.1
+    # Stop the run when no step has committed for this long while workers were being
+    # preempted (faster than they start, so it would spin forever); 0: never stop.
+    no_progress_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -360,6 +363,11 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(
             "config key 'spotline.recovery.warm_workers' is negative; use 0 (arrivals start "
             "cold) or a count of processes to start ahead"
+        )
+    if sl.recovery.no_progress_timeout_s < 0:
+        raise UserError(
+            "config key 'spotline.recovery.no_progress_timeout_s' is negative; use 0 (never "
+            "stop) or the seconds without a committed step after which a run stops"
         )
     if sl.checkpoints.interval_steps < 0:
         raise UserError(

@@ -48,10 +48,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = resolve_config(args)
         # Importing torch/transformers costs seconds; it buys a one-line error before any
         # process starts for a missing model directory or a corpus too small for a batch.
+        t_startup = time.perf_counter()
         from spotline.trainer import prepare_inputs
 
         prepare_inputs(cfg)
-        validate_recovery(cfg)
+        # What a worker does before it can join (these imports, the corpus), measured: a
+        # lower bound of its start-up (it also forms a process group and builds an engine).
+        validate_recovery(cfg, startup_s=time.perf_counter() - t_startup)
         shared = cfg.spotline.checkpoints.dir
         if shared and Path(shared).is_dir() and any(Path(shared).iterdir()):
             # A restore must never read another job's checkpoint.
@@ -102,10 +105,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def validate_recovery(cfg: Any) -> None:
-    """Recovery inputs a user can get wrong: inject specs, trace files, rates."""
+def validate_recovery(cfg: Any, *, startup_s: float = 0.0) -> None:
+    """Recovery inputs a user can get wrong: inject specs, trace files, rates, and a trace
+    whose nodes (at ``time_scale``, on the wall clock) die before a worker can start
+    (``startup_s``: a worker's start-up measured on this machine)."""
     from spotline.plan.chaos import (
         check_injections,
+        check_node_lifetimes,
         check_rescales,
         parse_injections,
         parse_rescales,
@@ -150,6 +156,14 @@ def validate_recovery(cfg: Any) -> None:
                     f"--max-workers {cap}), fewer than the {need} that {cfg.num_stages} "
                     f"stage(s) x {cfg.num_physical_pipelines} pipeline(s) need; raise --max-workers or "
                     "use fewer stages or workers"
+                )
+            if rec.trace_clock == "wall":
+                check_node_lifetimes(
+                    trace,
+                    max_workers=cap,
+                    time_scale=rec.time_scale,
+                    startup_s=startup_s,
+                    name=rec.trace,
                 )
     if rec.time_scale <= 0:
         raise UserError(

@@ -142,6 +142,11 @@ class Coordinator:
         self.reconfigurations: list[dict[str, Any]] = []  # generation changes without a failure
         self.generation_end_t: float | None = None
         self.failures_without_loss = 0
+        # No-progress watch (recovery.no_progress_timeout_s): the last progress seen, when a
+        # step last committed, and the preemption and start counts at that moment.
+        self.stall_progress = 0
+        self.stall_since = time.monotonic()
+        self.stall_marks = (0, 0)
 
     # -- time and events --------------------------------------------------------------
     def now(self) -> float:
@@ -651,9 +656,28 @@ class Coordinator:
         loss = float(self.store.get(key).decode())
         print(f"spotline: step {mark}/{steps} loss {loss:.4f}", file=sys.stderr, flush=True)
 
+    def _check_stalled(self) -> None:
+        """Stop a run that cannot progress: no step committed for no_progress_timeout_s while
+        workers were preempted (on the wall clock, faster than they start and join)."""
+        limit = self.sl.recovery.no_progress_timeout_s
+        progress = self.max_progress()
+        now = time.monotonic()
+        if progress > self.stall_progress:
+            # Starting a step means the one before it committed (a redone one too).
+            self.stall_since, self.stall_marks = now, (self.preemptions, self.next_index)
+        self.stall_progress = progress  # after a fallback progress goes back: from there
+        preempted = self.preemptions - self.stall_marks[0]
+        if limit <= 0 or now - self.stall_since < limit or preempted == 0:
+            return
+        started = self.next_index - self.stall_marks[1]
+        raise RuntimeError(
+            no_progress_message(limit, preempted, started, clock=self.sl.recovery.trace_clock)
+        )
+
     def _wait_for_joiners(self) -> list[str]:
         """Block until a started worker has joined (trace arrivals, replacements)."""
         while True:
+            self._check_stalled()
             self._record_throughput()
             self._poll_processes()
             self._deliver_timed_events()
@@ -698,6 +722,7 @@ class Coordinator:
                     # Members waiting in the commit barrier leave it at once.
                     self.store.set(f"abort/{g}", w)
             self._check_heartbeats()
+            self._check_stalled()
             self._deliver_timed_events()
             self._deliver_step_injections()
             self._deliver_rescales()
@@ -813,6 +838,7 @@ class Coordinator:
         # Injected arrivals are waited for (they were started ahead of their step).
         deadline = time.monotonic() + 180
         while self.awaited_joiners and time.monotonic() < deadline:
+            self._check_stalled()
             self._poll_processes()
             ready = [
                 w
@@ -1111,6 +1137,21 @@ class Coordinator:
         for event in summary["events"]:
             tracker.log_event(event["kind"], {k: v for k, v in event.items() if k != "kind"})
         tracker.finish(summary)
+
+
+def no_progress_message(limit_s: float, preempted: int, started: int, *, clock: str) -> str:
+    """One line: the run stalls because preemptions outpace start-ups, and what to change."""
+    advice = (
+        "replay on the step clock (--trace-clock steps), lower --time-scale, or start more "
+        "warm workers (--warm-workers)"
+        if clock == "wall"
+        else "lower --time-scale or --preempt-rate, or start more warm workers (--warm-workers)"
+    )
+    return (
+        f"no step committed in {limit_s:g} s while {preempted} worker(s) were preempted and "
+        f"{started} started: preemptions outpace start-ups, so the run would never progress; "
+        f"{advice} (recovery.no_progress_timeout_s sets the limit)"
+    )
 
 
 def no_workers_message(

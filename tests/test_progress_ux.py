@@ -50,6 +50,78 @@ def test_recovery_lines_say_what_happened_and_nothing_more() -> None:
     assert recovery_lines({**one, "recovery_events": [restored]}) == []
 
 
+def _short_lived_trace(path: Path) -> Path:
+    """Two nodes live at a time, each for 60 s of trace time, replaced at once."""
+    rows = []
+    for k in range(3):
+        t_ms = 60_000 * k
+        if k:
+            rows += [f"{t_ms},remove,n{2 * k - 1}", f"{t_ms},remove,n{2 * k}"]
+        rows += [f"{t_ms},add,n{2 * k + 1}", f"{t_ms},add,n{2 * k + 2}"]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def test_node_lifetimes_are_compared_with_the_start_up(tmp_path: Path) -> None:
+    from spotline.errors import UserError
+    from spotline.plan.chaos import check_node_lifetimes, median_node_lifetime_s
+    from spotline.plan.traces import load_trace
+
+    trace = load_trace(_short_lived_trace(tmp_path / "short.csv"))
+    # Four nodes removed after 60 s; the last two live until the end (120 s to 120 s: 0 s).
+    assert median_node_lifetime_s(trace, max_workers=2) == 60.0
+    check_node_lifetimes(trace, max_workers=2, time_scale=10, startup_s=5.0, name="short.csv")
+    with pytest.raises(UserError) as refused:
+        check_node_lifetimes(trace, max_workers=2, time_scale=60, startup_s=5.0, name="s.csv")
+    message = str(refused.value)
+    assert "median 1.00 s on the wall clock" in message and "5.0 s a worker takes" in message
+    assert "--trace-clock steps" in message and "--time-scale 3 or lower" in message
+
+
+def test_a_stall_stops_with_one_line_naming_what_to_change() -> None:
+    from spotline.launch.coordinator import no_progress_message
+
+    line = no_progress_message(300.0, 271, 272, clock="wall")
+    assert "\n" not in line
+    assert "no step committed in 300 s while 271 worker(s) were preempted and 272 started" in line
+    for change in ("--trace-clock steps", "--time-scale", "--warm-workers"):
+        assert change in line
+    assert "--trace-clock" not in no_progress_message(300.0, 3, 3, clock="steps")
+    with pytest.raises(Exception, match="no_progress_timeout_s' is negative"):
+        parse_config({"spotline": {"recovery": {"no_progress_timeout_s": -1}}})
+    assert parse_config({}).spotline.recovery.no_progress_timeout_s > 0
+
+
+def test_a_trace_whose_nodes_die_before_workers_start_is_refused(tmp_path: Path) -> None:
+    trace = _short_lived_trace(tmp_path / "short.csv")
+    out = tmp_path / "out"
+    proc = run_spotline(
+        ["train", "--workers", "2", "--stages", "2", "--trace", str(trace)]
+        + ["--time-scale", "1000", "--output", str(out)]
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("spotline: error:") == 1 and "Traceback" not in proc.stderr
+    assert "--trace-clock steps" in proc.stderr and "median 0.06 s" in proc.stderr
+    assert not out.exists()
+
+
+def test_preemptions_faster_than_start_ups_stop_the_run(tmp_path: Path) -> None:
+    """Every worker is preempted within milliseconds of wall time (a rate of one per second
+    of trace time, 100x): nothing can ever commit, and the run says so instead of spinning."""
+    config = small_config(recovery={"no_progress_timeout_s": 15.0})
+    cfg = write_config(tmp_path / "c.json", config)
+    out = tmp_path / "out"
+    proc = run_spotline(
+        ["train", "--config", str(cfg), "--workers", "2", "--stages", "2", "--max-workers"]
+        + ["3", "--preempt-rate", "3600", "--time-scale", "100", "--output", str(out)]
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    (error,) = [line for line in proc.stderr.splitlines() if line.startswith("spotline: error:")]
+    assert "no step committed in 15 s while" in error and "preemptions outpace start-ups" in error
+    assert "--trace-clock steps" in error and "Traceback" not in proc.stderr
+    assert not (out / "summary.json").exists()
+
+
 def test_a_run_without_workers_names_the_real_cause() -> None:
     from spotline.launch.coordinator import no_workers_message
 
