@@ -273,3 +273,31 @@ def test_workers_that_lose_their_coordinator_say_so_once_and_exit(tmp_path: Path
         ]
         assert lines[0].endswith("; exiting")
         assert "Traceback" not in text and "DistNetworkError" not in text, text[-3000:]
+
+
+def test_the_install_is_quiet_unless_it_fails(tmp_path: Path) -> None:
+    """`launch/setup.sh` on an installed tree prints nothing, and the package builds without
+    a setuptools warning (the deprecated `license` table; assets folders outside `packages`)."""
+    setup = subprocess.run(
+        ["bash", "-c", ". launch/setup.sh"],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert setup.returncode == 0, setup.stderr[-3000:]
+    assert setup.stdout == "" and setup.stderr == ""
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path), "."],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    assert "BuildBackendWarning" not in build.stdout + build.stderr
+    assert "SetuptoolsDeprecationWarning" not in build.stdout + build.stderr
