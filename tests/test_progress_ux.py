@@ -289,9 +289,18 @@ def test_the_install_is_quiet_unless_it_fails(tmp_path: Path) -> None:
     )
     assert setup.returncode == 0, setup.stderr[-3000:]
     assert setup.stdout == "" and setup.stderr == ""
+    # Built from a copy: a build writes build/ and *.egg-info beside its sources.
+    import shutil
+
+    source = tmp_path / "src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
+    for name in ("integration", "launch", "patches"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(tmp_path), "."],
-        cwd=REPO,
+        cwd=source,
         env=child_env(),
         capture_output=True,
         text=True,
