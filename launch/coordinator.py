@@ -646,7 +646,7 @@ class Coordinator:
         steps = self.sl.training.steps
         done = self.max_progress() if done is None else done
         tenth = max(1, steps // 10)
-        mark = done - done % tenth
+        mark = steps if done >= steps else done - done % tenth  # the last step always shows
         if mark <= self.shown_progress:
             return
         key = f"loss/{mark - 1}"
