@@ -302,7 +302,7 @@ class ElasticWorker:
                         self._training_generation = None
                         abort_connections(self.port)
                 except Exception:
-                    if not self._hb_stop.is_set() and not self.coordinator_alive():
+                    if not self._hb_stop.is_set() and self.coordinator_lost():
                         # The main thread may be blocked in a collective with live peers
                         # for as long as the collective timeout: exit from here, now.
                         self.say_coordinator_lost()
@@ -312,18 +312,27 @@ class ElasticWorker:
 
         threading.Thread(target=beat, name="spotline-heartbeat", daemon=True).start()
 
-    def coordinator_alive(self) -> bool:
-        """Whether the coordinator's TCPStore still accepts connections. An etcd store
-        outlives the coordinator by design: it is never taken for lost here."""
+    def coordinator_lost(self, patience_s: float = 1.0) -> bool:
+        """Whether the coordinator's TCPStore is gone (called after a store operation failed).
+
+        A dying process's sockets close one by one: a worker whose store connection was just
+        reset may still connect to the listening socket for a moment, so the store is probed
+        until a connection is refused or ``patience_s`` has passed. An etcd store outlives
+        the coordinator by design: it is never taken for lost here."""
         if self.store_spec.backend != "tcp":
-            return True
+            return False
         import socket
 
-        try:
-            with socket.create_connection((self.store_spec.host, self.store_spec.port), 2.0):
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                with socket.create_connection((self.store_spec.host, self.store_spec.port), 2.0):
+                    pass
+            except OSError:
                 return True
-        except OSError:
-            return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
     def say_coordinator_lost(self) -> None:
         """One line, once: the heartbeat thread and the main thread may both find out."""
@@ -468,7 +477,9 @@ class ElasticWorker:
             self.error = f"step {self._engine_step()}: {exc}"
             outcome = "non-finite"
         except (RuntimeError, dist.DistBackendError, ConnectionError) as exc:
-            if not self.coordinator_alive():
+            # A store error (not a gloo one) may mean the coordinator is gone, not a peer.
+            store_error = isinstance(exc, (dist.DistNetworkError, dist.DistStoreError))
+            if store_error and self.coordinator_lost():
                 raise CoordinatorLost from None
             # A peer died or left mid-step; what this process holds survives in memory.
             self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
@@ -906,7 +917,7 @@ def main() -> int:
     except Exception:
         # A store operation failed because the coordinator is gone (SIGKILLed, its machine
         # lost): one line, not a DistNetworkError traceback. Anything else is a real bug.
-        if worker is None or worker.coordinator_alive():
+        if worker is None or not worker.coordinator_lost():
             raise
         worker.say_coordinator_lost()
         # Gloo's threads and sockets to the peers must not run interpreter teardown.

@@ -264,7 +264,8 @@ def test_workers_that_lose_their_coordinator_say_so_once_and_exit(tmp_path: Path
         libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
         err.close()
     assert sorted(codes) == sorted(workers), "a worker outlived its coordinator"
-    assert all(code == 3 for code in codes.values()), codes
+    logs = {log.name: log.read_text()[-2000:] for log in (out / "logs").glob("w*.log")}
+    assert all(code == 3 for code in codes.values()), (codes, logs)
     for log in sorted((out / "logs").glob("w*.log")):
         text = log.read_text()
         lines = [line for line in text.splitlines() if "lost the coordinator" in line]
