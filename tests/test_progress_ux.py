@@ -105,6 +105,7 @@ def test_a_trace_whose_nodes_die_before_workers_start_is_refused(tmp_path: Path)
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_preemptions_faster_than_start_ups_stop_the_run(tmp_path: Path) -> None:
     """Every worker is preempted within milliseconds of wall time (a rate of one per second
     of trace time, 100x): nothing can ever commit, and the run says so instead of spinning."""
@@ -137,6 +138,7 @@ def test_a_run_without_workers_names_the_real_cause() -> None:
     assert "trace" not in crashed
 
 
+@pytest.mark.slow
 def test_a_killed_last_worker_without_a_trace_is_not_blamed_on_one(tmp_path: Path) -> None:
     out = tmp_path / "out"
     cfg = write_config(tmp_path / "c.json", small_config())
@@ -150,6 +152,7 @@ def test_a_killed_last_worker_without_a_trace_is_not_blamed_on_one(tmp_path: Pat
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_the_default_job_survives_a_kill_in_memory_and_says_so(tmp_path: Path) -> None:
     """The built-in default (no --config), shortened, with a worker SIGKILLed mid-step:
     the takeover is in memory, the summary says so, each progress line appears once."""
@@ -174,6 +177,7 @@ def test_the_default_job_survives_a_kill_in_memory_and_says_so(tmp_path: Path) -
         assert line == f"spotline: step {k}/10 loss {summary['losses'][k - 1]:.4f}"
 
 
+@pytest.mark.slow
 def test_deepspeed_s_launcher_prints_the_same_summary(tmp_path: Path) -> None:
     """One rank of `launch/train.py` as DeepSpeed's launcher starts it (env, one process)."""
     with socket.socket() as s:
@@ -215,6 +219,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow
 def test_workers_that_lose_their_coordinator_say_so_once_and_exit(tmp_path: Path) -> None:
     """SIGKILL the coordinator of a training run: every worker writes one line and exits
     non-zero, with no DistNetworkError traceback. This process is made the workers'
