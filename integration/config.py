@@ -71,7 +71,9 @@ class TrainingSection:
 class RedundancySection:
     """Bamboo-style redundancy: each stage holds its successor's replica."""
 
-    mode: RedundancyMode = "off"
+    # Lazy by default: a preemption is taken over from memory, which is what Spotline is for;
+    # "off" leaves only checkpoints (and a restart from scratch without them).
+    mode: RedundancyMode = "lazy"
     replica_device: ReplicaDevice = "host"
     # Compare every replica with its owner (digests of parameters and optimizer state)
     # after every step: a correctness check that costs one small all-gather per step.
@@ -141,6 +143,9 @@ class RecoverySection:
     # sqrt(2 * cost * MTBF) needs these estimates (seconds).
     checkpoint_cost_s: float = 0.05
     step_time_estimate_s: float = 0.1
+    # Stop the run when no step has committed for this long while workers were being
+    # preempted (faster than they start, so it would spin forever); 0: never stop.
+    no_progress_timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -429,6 +434,11 @@ def validate(cfg: RunConfig) -> None:
             "config key 'spotline.recovery.warm_workers' is negative; use 0 (arrivals start "
             "cold) or a count of processes to start ahead"
         )
+    if sl.recovery.no_progress_timeout_s < 0:
+        raise UserError(
+            "config key 'spotline.recovery.no_progress_timeout_s' is negative; use 0 (never "
+            "stop) or the seconds without a committed step after which a run stops"
+        )
     if sl.checkpoints.interval_steps < 0:
         raise UserError(
             "config key 'spotline.checkpoints.interval_steps' is negative; use 0 (never) or a step count"
@@ -437,6 +447,17 @@ def validate(cfg: RunConfig) -> None:
         raise UserError(
             f"--workers {sl.topology.workers} is not divisible by --stages {sl.topology.stages}; "
             f"use a multiple of {sl.topology.stages} workers (each pipeline needs one per stage)"
+        )
+    logical = sl.elasticity.logical_workers
+    if logical is not None and logical < cfg.num_physical_pipelines:
+        # One rule for both entry points (spotline train and DeepSpeed's launcher): a
+        # pipeline with no logical worker would idle, and DeepSpeed's launcher cannot keep a
+        # process out of the job as a standby.
+        raise UserError(
+            f"--logical-workers {logical} is fewer than the {cfg.num_physical_pipelines} "
+            f"pipelines that {sl.topology.workers} worker processes form with {sl.topology.stages} "
+            f"stage(s); use at least {cfg.num_physical_pipelines} logical workers or "
+            f"{logical * sl.topology.stages} worker processes"
         )
     if "train_batch_size" in ds:
         expected = cfg.samples_per_step

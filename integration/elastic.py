@@ -52,6 +52,13 @@ from spotline.redundancy import RedundantPipelineEngine
 from spotline.runtime import configure_process, param_sha256, peak_rss_mib, seed_everything
 
 OPT_KEYS = ("step", "exp_avg", "exp_avg_sq")
+# A worker whose coordinator is gone exits with this code (nobody is left to read it, but a
+# supervisor or a test can tell it from a crash).
+EXIT_COORDINATOR_LOST = 3
+
+
+class CoordinatorLost(Exception):
+    """The coordinator's store no longer accepts connections: no plan will ever come."""
 
 
 @dataclass
@@ -268,6 +275,8 @@ class ElasticWorker:
         self.losses: dict[int, float] = {}
         self.step_times: dict[int, float] = {}
         self._hb_stop = threading.Event()
+        self._lost_lock = threading.Lock()
+        self._lost_said = False
         self.checkpoints: CheckpointWriter | None = None
         self.checkpoint_interval = cfg.spotline.checkpoints.interval_steps
         self._training_generation: int | None = None
@@ -306,11 +315,50 @@ class ElasticWorker:
                         # A peer failed: unblock whatever gloo operation this process waits in.
                         self._training_generation = None
                         abort_connections(self.port)
-                except Exception:  # the coordinator is gone: nothing left to report to
+                except Exception:
+                    if not self._hb_stop.is_set() and self.coordinator_lost():
+                        # The main thread may be blocked in a collective with live peers
+                        # for as long as the collective timeout: exit from here, now.
+                        self.say_coordinator_lost()
+                        os._exit(EXIT_COORDINATOR_LOST)
                     return
                 self._hb_stop.wait(self._hb_interval)
 
         threading.Thread(target=beat, name="spotline-heartbeat", daemon=True).start()
+
+    def coordinator_lost(self, patience_s: float = 1.0) -> bool:
+        """Whether the coordinator's TCPStore is gone (called after a store operation failed).
+
+        A dying process's sockets close one by one: a worker whose store connection was just
+        reset may still connect to the listening socket for a moment, so the store is probed
+        until a connection is refused or ``patience_s`` has passed. An etcd store outlives
+        the coordinator by design: it is never taken for lost here."""
+        if self.store_spec.backend != "tcp":
+            return False
+        import socket
+
+        deadline = time.monotonic() + patience_s
+        while True:
+            try:
+                with socket.create_connection((self.store_spec.host, self.store_spec.port), 2.0):
+                    pass
+            except OSError:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+    def say_coordinator_lost(self) -> None:
+        """One line, once: the heartbeat thread and the main thread may both find out."""
+        with self._lost_lock:
+            if self._lost_said:
+                return
+            self._lost_said = True
+        spec = self.store_spec
+        print(
+            f"spotline worker {self.wid}: lost the coordinator at {spec.host}:{spec.port}; exiting",
+            flush=True,
+        )
 
     def _on_term(self, signum: int, frame: Any) -> None:
         # A preemption notice: finish the step, leave at the next boundary, and in any
@@ -463,6 +511,10 @@ class ElasticWorker:
             self.error = f"step {self._engine_step()}: {exc}"
             outcome = "non-finite"
         except (RuntimeError, dist.DistBackendError, ConnectionError, TimeoutError) as exc:
+            # A store error (not a gloo one) may mean the coordinator is gone, not a peer.
+            store_error = isinstance(exc, (dist.DistNetworkError, dist.DistStoreError))
+            if store_error and self.coordinator_lost():
+                raise CoordinatorLost from None
             # A peer died or left mid-step; what this process holds survives in memory.
             self.error = one_line(exc)
             self._note(f"generation {generation}: {self.error}")
@@ -939,6 +991,12 @@ def main() -> int:
                 pass
         return 2
     except Exception as exc:
+        # A store operation failed because the coordinator is gone (SIGKILLed, its machine
+        # lost): one line, not a DistNetworkError traceback.
+        if worker is not None and worker.coordinator_lost():
+            worker.say_coordinator_lost()
+            # Gloo's threads and sockets to the peers must not run interpreter teardown.
+            os._exit(EXIT_COORDINATOR_LOST)
         # An error outside a generation (reading a checkpoint, loading the data): the
         # traceback to this worker's log, the cause to the coordinator (``error/<worker>``),
         # which stops the job with it instead of taking this exit for a preemption.

@@ -146,14 +146,8 @@ def setup_worker(cfg: RunConfig) -> Worker:
     )
     seed_everything(sl.training.seed)
     hf_config, corpus = prepare_inputs(cfg)
-    if cfg.num_pipelines < cfg.num_physical_pipelines:
-        from spotline.errors import UserError
-
-        raise UserError(
-            f"--logical-workers {cfg.num_pipelines} is fewer than the "
-            f"{cfg.num_physical_pipelines} pipelines {cfg.num_workers} processes form; use at "
-            f"least {cfg.num_physical_pipelines} logical workers or fewer processes"
-        )
+    # Fewer logical workers than pipelines is refused by spotline.config.validate.
+    assert cfg.num_pipelines >= cfg.num_physical_pipelines
     if ident.world_size != cfg.num_workers:
         from spotline.errors import UserError
 

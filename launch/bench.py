@@ -828,7 +828,9 @@ def build_parser() -> argparse.ArgumentParser:
     recovery = sub.add_parser(
         "recovery", parents=[common], help="in-memory failover vs checkpoint-restart on a trace"
     )
-    recovery.add_argument("--trace", required=True, help="a spot trace (shared/traces/...)")
+    recovery.add_argument(
+        "--trace", required=True, help="a spot trace (e.g. integration/assets/traces/p3-trace.csv)"
+    )
     recovery.add_argument(
         "--max-workers", type=int, default=3, help="local cap on workers (default 3)"
     )

@@ -147,10 +147,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
                 )
         # Importing torch/transformers costs seconds; it buys a one-line error before any
         # process starts for a missing model directory or a corpus too small for a batch.
+        t_startup = time.perf_counter()
         from spotline.trainer import prepare_inputs
 
         prepare_inputs(cfg)
-        validate_recovery(cfg)
+        # What a worker does before it can join (these imports, the corpus), measured: a
+        # lower bound of its start-up (it also forms a process group and builds an engine).
+        validate_recovery(cfg, startup_s=time.perf_counter() - t_startup)
         resume_from: int | None = None
         if args.resume is not None:
             from spotline.checkpoint import latest_complete
@@ -239,10 +242,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def validate_recovery(cfg: Any) -> None:
-    """Recovery inputs a user can get wrong: inject specs, trace files, rates."""
+def validate_recovery(cfg: Any, *, startup_s: float = 0.0) -> None:
+    """Recovery inputs a user can get wrong: inject specs, trace files, rates, and a trace
+    whose nodes (at ``time_scale``, on the wall clock) die before a worker can start
+    (``startup_s``: a worker's start-up measured on this machine)."""
     from spotline.plan.chaos import (
         check_injections,
+        check_node_lifetimes,
         check_rescales,
         parse_injections,
         parse_rescales,
@@ -262,7 +268,7 @@ def validate_recovery(cfg: Any) -> None:
     if rec.trace is not None:
         if not Path(rec.trace).is_file():
             raise UserError(
-                f"--trace {rec.trace}: no such file; pass a trace file (see shared/traces/README.md)"
+                f"--trace {rec.trace}: no such file; pass a trace file (formats and public traces: integration/assets/traces/README.md)"
             )
         try:
             trace = load_trace(rec.trace)
@@ -288,6 +294,14 @@ def validate_recovery(cfg: Any) -> None:
                     f"stage(s) x {cfg.num_physical_pipelines} pipeline(s) need; raise --max-workers or "
                     "use fewer stages or workers"
                 )
+            if rec.trace_clock == "wall":
+                check_node_lifetimes(
+                    trace,
+                    max_workers=cap,
+                    time_scale=rec.time_scale,
+                    startup_s=startup_s,
+                    name=rec.trace,
+                )
     if rec.time_scale <= 0:
         raise UserError(
             f"--time-scale {rec.time_scale}: expected a positive number of trace seconds per second"
@@ -309,10 +323,32 @@ def format_summary(s: dict[str, Any], output: Path) -> str:
             f"  {loss}   {s['samples_per_s']:.1f} samples/s   {s['wall_s']:.1f} s",
             f"  preemptions {s['preemptions']}  recoveries {s['recoveries']}  "
             f"checkpoint fallbacks {s['checkpoint_fallbacks']}  steps redone {s.get('steps_redone', 0)}",
+            *recovery_lines(s),
             f"  param_sha256 {s['param_sha256']}",
             f"  summary: {output / 'summary.json'}   model: {output / 'model'}",
         ]
     )
+
+
+def recovery_lines(s: dict[str, Any]) -> list[str]:
+    """What the recoveries were, in words: in memory (Spotline's point) or from disk.
+
+    Whether the parameters equal an undisturbed run's cannot be known inside one run (that
+    needs the other run): only what this run did is said."""
+    events = s.get("recovery_events", [])
+    in_memory = [e["recovery_s"] for e in events if e.get("in_memory")]
+    if not in_memory:
+        return []
+    times = ", ".join(f"{t:.2f} s" for t in in_memory)
+    takeovers = f"{len(in_memory)} takeover{'s' if len(in_memory) > 1 else ''}"
+    fallbacks = s.get("checkpoint_fallbacks", 0)
+    if fallbacks:
+        return [f"  {takeovers} in memory in {times}; {fallbacks} fallback(s) to a checkpoint"]
+    count = s["preemptions"]
+    noun = "preemption" if count == 1 else "preemptions"
+    if len(in_memory) == 1:
+        return [f"  {count} {noun} survived in memory in {times} (no checkpoint read)"]
+    return [f"  {count} {noun} survived in memory ({takeovers}: {times}; no checkpoint read)"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ boundary that has a checkpoint (``Stopped``); the second one is the caller's to 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -191,6 +192,11 @@ class Coordinator:
                 self.losses[int(step)] = loss
             for step, lr in metadata.get("learning_rates", {}).items():
                 self.learning_rates[int(step)] = lr
+        # No-progress watch (recovery.no_progress_timeout_s): the last progress seen, when a
+        # step last committed, and the preemption and start counts at that moment.
+        self.stall_progress = 0
+        self.stall_since = time.monotonic()
+        self.stall_marks = (0, 0)
 
     # -- time and events --------------------------------------------------------------
     def now(self) -> float:
@@ -649,6 +655,7 @@ class Coordinator:
             self._stop_workers()
             raise Stopped(self.last_committed(), self.stop_target or self.max_progress())
         end = time.monotonic()
+        self._show_progress(done=self.sl.training.steps)
         wall = end - t_start
         # Training time: from the first step to the last commit, recoveries included.
         self.train_wall_s = end - (self.first_step_t or t_start)
@@ -796,19 +803,47 @@ class Coordinator:
         )
         self.rate_mark = (now, progress)
 
-    def _show_progress(self) -> None:
-        """A line every tenth of the run (the coordinator is the one process at the terminal)."""
+    def _show_progress(self, done: int | None = None) -> None:
+        """A line every tenth of the run, with its loss (the coordinator is the one process at
+        the terminal, and the only one that prints progress). ``done``: steps committed
+        (default: those before the step a member has started)."""
         if not self.sl.tracking.progress:
             return
-        step = self.max_progress()
-        tenth = max(1, self.sl.training.steps // 10)
-        if step // tenth > self.shown_progress // tenth:
-            self.shown_progress = step
-            print(f"spotline: step {step}/{self.sl.training.steps}", file=sys.stderr, flush=True)
+        steps = self.sl.training.steps
+        done = self.max_progress() if done is None else done
+        tenth = max(1, steps // 10)
+        mark = steps if done >= steps else done - done % tenth  # the last step always shows
+        if mark <= self.shown_progress:
+            return
+        key = f"loss/{mark - 1}"
+        if not self.store.check([key]):
+            return  # rank 0 writes the loss just after the step: the next poll shows it
+        self.shown_progress = mark
+        loss = float(self.store.get(key).decode())
+        print(f"spotline: step {mark}/{steps} loss {loss:.4f}", file=sys.stderr, flush=True)
+
+    def _check_stalled(self) -> None:
+        """Stop a run that cannot progress: no step committed for no_progress_timeout_s while
+        workers were preempted (on the wall clock, faster than they start and join)."""
+        limit = self.sl.recovery.no_progress_timeout_s
+        progress = self.max_progress()
+        now = time.monotonic()
+        if progress > self.stall_progress:
+            # Starting a step means the one before it committed (a redone one too).
+            self.stall_since, self.stall_marks = now, (self.preemptions, self.next_index)
+        self.stall_progress = progress  # after a fallback progress goes back: from there
+        preempted = self.preemptions - self.stall_marks[0]
+        if limit <= 0 or now - self.stall_since < limit or preempted == 0:
+            return
+        started = self.next_index - self.stall_marks[1]
+        raise RuntimeError(
+            no_progress_message(limit, preempted, started, clock=self.sl.recovery.trace_clock)
+        )
 
     def _wait_for_joiners(self) -> list[str]:
         """Block until a started worker has joined (trace arrivals, replacements)."""
         while True:
+            self._check_stalled()
             self._record_throughput()
             self._poll_processes()
             self._deliver_timed_events()
@@ -822,8 +857,12 @@ class Coordinator:
                 self._skip_idle_time()
             if not starting and not self.timed:
                 raise RuntimeError(
-                    f"{len(self.live_ids())} worker(s) left, fewer than the {self.cfg.num_pipelines} "
-                    "pipeline(s) need, and none is scheduled to arrive (the trace has ended)"
+                    no_workers_message(
+                        len(self.live_ids()),
+                        crashed=sorted(w for w, p in self.workers.items() if p.fate == "crashed"),
+                        trace=self.replay is not None,
+                        random_preemptions=self.sl.recovery.preempt_rate > 0,
+                    )
                 )
             time.sleep(POLL_S)
 
@@ -849,6 +888,7 @@ class Coordinator:
                     # Members waiting in the commit barrier leave it at once.
                     self.store.set(f"abort/{g}", w)
             self._check_heartbeats()
+            self._check_stalled()
             self._deliver_timed_events()
             self._deliver_step_injections()
             self._deliver_rescales()
@@ -1008,6 +1048,7 @@ class Coordinator:
         # Injected arrivals are waited for (they were started ahead of their step).
         deadline = time.monotonic() + 180
         while self.awaited_joiners and time.monotonic() < deadline:
+            self._check_stalled()
             self._poll_processes()
             ready = [
                 w
@@ -1087,7 +1128,9 @@ class Coordinator:
             self._await_recovered(g, max(ready_t, self.generation_end_t), failure=False)
         self.pending_failure_t = None
 
-    def _await_recovered(self, g: int, started: float, *, failure: bool = True) -> None:
+    def _await_recovered(
+        self, g: int, started: float, *, failure: bool = True, in_memory: bool = True
+    ) -> None:
         """Recovery time: from the preemption to the first step committed after it. For a
         change without a failure (an arrival, a departure at a boundary): from the end of
         the last generation to the first step the new one commits."""
@@ -1110,7 +1153,13 @@ class Coordinator:
             self._event("reconfigured", generation=g, seconds=round(seconds, 3))
             return
         self.recovery_events.append(
-            {"generation": g, "resume_step": self.resume_step, "recovery_s": seconds}
+            {
+                "generation": g,
+                "resume_step": self.resume_step,
+                "recovery_s": seconds,
+                # A takeover from replicas in memory, or a restore from a checkpoint.
+                "in_memory": in_memory,
+            }
         )
         self._event("recovered", generation=g, seconds=round(seconds, 3))
 
@@ -1160,7 +1209,7 @@ class Coordinator:
             if layout is None:
                 self._wait_for_joiners()
                 return
-        self._await_recovered(g, self.pending_failure_t or self.now())
+        self._await_recovered(g, self.pending_failure_t or self.now(), in_memory=False)
         self.pending_failure_t = None
 
     def _restart_all(self, reports: list[WorkerReport], reached: int) -> None:
@@ -1293,7 +1342,9 @@ class Coordinator:
         from spotline.tracking import Tracker
 
         tracker = Tracker(
-            tracking,
+            # Progress was shown live by _show_progress; replaying the steps into wandb
+            # must not print every line a second time.
+            dataclasses.replace(tracking, progress=False),
             enabled=True,
             output_dir=self.output,
             total_steps=len(summary["losses"]),
@@ -1310,8 +1361,44 @@ class Coordinator:
         tracker.finish(summary)
 
 
+def no_progress_message(limit_s: float, preempted: int, started: int, *, clock: str) -> str:
+    """One line: the run stalls because preemptions outpace start-ups, and what to change."""
+    advice = (
+        "replay on the step clock (--trace-clock steps), lower --time-scale, or start more "
+        "warm workers (--warm-workers)"
+        if clock == "wall"
+        else "lower --time-scale or --preempt-rate, or start more warm workers (--warm-workers)"
+    )
+    return (
+        f"no step committed in {limit_s:g} s while {preempted} worker(s) were preempted and "
+        f"{started} started: preemptions outpace start-ups, so the run would never progress; "
+        f"{advice} (recovery.no_progress_timeout_s sets the limit)"
+    )
+
+
+def no_workers_message(
+    live: int, *, crashed: list[str], trace: bool, random_preemptions: bool
+) -> str:
+    """Why a run that can no longer train stops: the real cause, not a guess at one."""
+    head = f"{live} worker(s) left, too few to train, and"
+    if crashed:
+        return f"{head} {len(crashed)} worker(s) ({', '.join(crashed)}) exited with an error"
+    if trace:
+        return f"{head} none is scheduled to arrive (the trace has ended)"
+    if random_preemptions:
+        return f"{head} no replacement is scheduled (--preempt-rate's arrivals have ended)"
+    return (
+        f"{head} nothing in this run adds a worker (no --trace, --preempt-rate, "
+        "--inject add:STEP or --rescale growth left); start more workers than you preempt"
+    )
+
+
 def child_environment() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("DS_ACCELERATOR", "cpu")
     env["PYTHONUNBUFFERED"] = "1"
+    # torch's C++ warnings come with a C++ stack: a store or gloo peer that goes away (the
+    # failures Spotline survives, or a lost coordinator, which the worker reports in one
+    # line) filled the worker logs with them. Set it to WARNING to see them again.
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return env

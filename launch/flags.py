@@ -91,7 +91,9 @@ def add_recovery_flags(parser: argparse.ArgumentParser) -> None:
         "--recovery", help="failover (default: in-memory takeover) or checkpoint-restart"
     )
     parser.add_argument(
-        "--trace", help="replay a spot trace (any format of shared/traces/README.md)"
+        "--trace",
+        help="replay a spot trace (formats: integration/assets/traces/README.md, which ships "
+        "public ones)",
     )
     parser.add_argument("--time-scale", type=float, help="trace seconds played per wall second")
     parser.add_argument(

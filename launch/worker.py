@@ -23,7 +23,11 @@ def run(config_path: str | None, output: str, overrides: dict[str, object]) -> i
         cfg = with_overrides(load_config(config_path), overrides)
         from spotline.trainer import run_worker
 
-        run_worker(cfg, Path(output))
+        summary = run_worker(cfg, Path(output))
+        if summary is not None:  # rank 0: the same summary as `spotline train` prints
+            from spotline.launch.cli import format_summary
+
+            print(format_summary(summary, Path(output)), flush=True)
     except UserError as exc:
         if rank == 0:
             print(f"spotline: error: {exc}", file=sys.stderr, flush=True)

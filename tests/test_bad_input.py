@@ -126,3 +126,34 @@ def test_resume_of_a_directory_without_a_run(tmp_path: Path) -> None:
     proc = run_spotline(["train", "--resume", str(out)])
     _check(proc, out, f"--resume {out}", "config.resolved.json")
     assert list(out.iterdir()) == []
+
+
+def test_fewer_logical_workers_than_pipelines_is_one_rule_for_both_launchers(
+    tmp_path: Path,
+) -> None:
+    """4 processes on 1 stage form 4 pipelines: 3 logical workers would leave one idle.
+    `spotline train` trained that way while DeepSpeed's launcher refused it; both refuse."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, child_env
+
+    flags = ["--logical-workers", "3", "--stages", "1"]
+    out = tmp_path / "out"
+    proc = run_spotline(["train", "--workers", "4", *flags, "--output", str(out)])
+    _check(proc, out, "--logical-workers 3", "4 pipelines", "at least 4 logical workers")
+    # DeepSpeed's launcher: rank 0 of 4 (the world size is the number of processes); the
+    # config is refused before any process group is formed.
+    env = child_env()
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="4")
+    launcher = subprocess.run(
+        [sys.executable, "launch/train.py", *flags, "--output", str(out)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    _check(launcher, out, "--logical-workers 3", "4 pipelines")
+    assert launcher.stderr.strip() == proc.stderr.strip()  # the same rule, the same words

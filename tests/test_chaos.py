@@ -26,9 +26,10 @@ from spotline.plan.chaos import (
 )
 from spotline.plan.traces import Trace, TraceEvent, live_nodes_over_time, load_trace
 
-SHARED_TRACES = Path(
+TRACES = Path(
     os.environ.get(
-        "SPOTLINE_TRACES", Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+        "SPOTLINE_TRACES",
+        Path(__file__).resolve().parent.parent / "integration" / "assets" / "traces",
     )
 )
 TRACE_FILES = (
@@ -253,10 +254,7 @@ def test_trace_events_rejects_an_empty_trace() -> None:
 @pytest.mark.parametrize("name", TRACE_FILES)
 @pytest.mark.parametrize("max_workers", [2, 4])
 def test_real_traces_keep_every_drop_as_a_removal(name: str, max_workers: int) -> None:
-    path = SHARED_TRACES / name
-    if not path.exists():
-        pytest.skip(f"{path} is not available")
-    trace = load_trace(path)
+    trace = load_trace(TRACES / name)
     time_scale = 60.0
     replay = replay_trace(trace, max_workers=max_workers, time_scale=time_scale, removal="kill")
     start_t = trace.events[0].t_s

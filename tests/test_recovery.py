@@ -140,9 +140,7 @@ def test_checkpoint_restart_baseline_gives_the_same_result(spotline_train, basel
 
 
 def test_trace_replay_completes_with_the_same_hash(spotline_train, tmp_path: Path) -> None:
-    trace = REPO.parent / "shared" / "traces" / "g4dn-trace.csv"
-    if not trace.exists():
-        pytest.skip("shared/traces is not beside the repository")
+    trace = REPO / "integration" / "assets" / "traces" / "g4dn-trace.csv"
     config = small_config(training={"steps": 60}, redundancy={"mode": "lazy"})
     flags = ("--workers", "2", "--stages", "2")
     undisturbed = spotline_train(config, *flags, name="undisturbed")

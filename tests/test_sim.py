@@ -21,10 +21,11 @@ from spotline.sim.engine import (
     young_daly_interval_s,
 )
 
-# The traces live in shared/ beside the repository (as CI lays it out), or where SPOTLINE_TRACES says.
-SHARED_TRACES = Path(
+# The public traces ship in integration/assets/traces; SPOTLINE_TRACES points elsewhere.
+TRACES = Path(
     os.environ.get(
-        "SPOTLINE_TRACES", Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+        "SPOTLINE_TRACES",
+        Path(__file__).resolve().parent.parent / "integration" / "assets" / "traces",
     )
 )
 
@@ -142,11 +143,10 @@ def test_conservation_on_a_busy_trace(toy_config: SimConfig) -> None:
     }
 
 
-@pytest.mark.skipif(not (SHARED_TRACES / "p3-trace.csv").exists(), reason="no p3 trace")
 def test_spotline_beats_checkpoint_restart_on_p3_at_64_nodes() -> None:
     calibration = load_calibration()
     config = SimConfig(calibration, calibration.model("gpt2"), 64)
-    trace = resize_trace(load_trace(SHARED_TRACES / "p3-trace.csv"), 64)
+    trace = resize_trace(load_trace(TRACES / "p3-trace.csv"), 64)
     results = simulate_policies(trace, ("spotline", "checkpoint-restart"), config)
     assert results["spotline"].samples_per_s > results["checkpoint-restart"].samples_per_s
 

@@ -19,10 +19,11 @@ from spotline.plan.traces import (
     trace_from_levels,
 )
 
-# The traces live in shared/ beside the repository (as CI lays it out), or where SPOTLINE_TRACES says.
-SHARED_TRACES = Path(
+# The public traces ship in integration/assets/traces; SPOTLINE_TRACES points elsewhere.
+TRACES = Path(
     os.environ.get(
-        "SPOTLINE_TRACES", Path(__file__).resolve().parent.parent.parent / "shared" / "traces"
+        "SPOTLINE_TRACES",
+        Path(__file__).resolve().parent.parent / "integration" / "assets" / "traces",
     )
 )
 
@@ -168,13 +169,12 @@ def test_synthetic_trace_is_deterministic_and_replaces_nodes() -> None:
     assert [e.kind for e in quiet.events] == ["add"] * 8
 
 
-@pytest.mark.skipif(not SHARED_TRACES.is_dir(), reason="shared traces not available")
 def test_recorded_traces_parse() -> None:
-    p3 = load_trace(SHARED_TRACES / "p3-trace.csv")
+    p3 = load_trace(TRACES / "p3-trace.csv")
     assert (len(p3.events), p3.num_removals, p3.peak_nodes) == (344, 167, 32)
-    g4dn = load_trace(SHARED_TRACES / "g4dn-trace.csv")
+    g4dn = load_trace(TRACES / "g4dn-trace.csv")
     assert (len(g4dn.events), g4dn.num_removals, g4dn.peak_nodes) == (153, 74, 24)
-    p2 = load_trace(SHARED_TRACES / "aws-spot-instances-p2-xlarge-2020-11-20-to-2020-11-23.csv")
+    p2 = load_trace(TRACES / "aws-spot-instances-p2-xlarge-2020-11-20-to-2020-11-23.csv")
     assert p2.peak_nodes == 16 and round(p2.duration_s / 3600, 1) == 88.7
-    gcp = load_trace(SHARED_TRACES / "v100x1-east1c.txt")
+    gcp = load_trace(TRACES / "v100x1-east1c.txt")
     assert gcp.peak_nodes == 80 and gcp.initial_nodes == 80

@@ -127,7 +127,7 @@ def test_replay_record_takes_what_a_prediction_needs_from_a_finished_run() -> No
         "param_sha256": "ab",
     }
     recovery = {
-        "trace": "../shared/traces/p3-trace.csv",
+        "trace": "integration/assets/traces/p3-trace.csv",
         "time_scale": 30.0,
         "trace_clock": "wall",
         "max_workers": None,

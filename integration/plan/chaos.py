@@ -354,6 +354,48 @@ def replay_trace(
     )
 
 
+def median_node_lifetime_s(trace: Trace, *, max_workers: int) -> float:
+    """The median time (trace seconds) a node of ``trace`` lives when replayed on at most
+    ``max_workers`` local workers (the cap scales the trace as :func:`replay_trace` does).
+    A node still live at the end of the recording counts until then, so the figure never
+    understates. ValueError on a trace with no node."""
+    scaled = scale_trace(trace, max_workers)
+    added: dict[str, float] = {}
+    lifetimes: list[float] = []
+    for event in scaled.events:
+        if event.kind == "add":
+            added[event.node] = event.t_s
+        else:
+            lifetimes.append(event.t_s - added.pop(event.node))
+    lifetimes += [scaled.duration_s - t_s for t_s in added.values()]
+    if not lifetimes:
+        raise ValueError(f"trace {trace.source or '(unnamed)'} has no node")
+    lifetimes.sort()
+    mid = len(lifetimes) // 2
+    return lifetimes[mid] if len(lifetimes) % 2 else (lifetimes[mid - 1] + lifetimes[mid]) / 2
+
+
+def check_node_lifetimes(
+    trace: Trace, *, max_workers: int, time_scale: float, startup_s: float, name: str
+) -> None:
+    """Refuse a wall-clock replay whose nodes live, scaled by ``time_scale``, shorter than a
+    worker takes to start (``startup_s``, wall seconds): arrivals would be preempted before
+    they could join, and no step would ever commit. UserError naming what to change."""
+    median_s = median_node_lifetime_s(trace, max_workers=max_workers)
+    wall_s = median_s / time_scale
+    if wall_s >= startup_s:
+        return
+    # A node should live several start-ups: it must also join a generation and train.
+    fitting = math.floor(median_s / (4 * startup_s))
+    lower = f"--time-scale {fitting} or lower" if fitting >= 1 else "a lower --time-scale"
+    raise UserError(
+        f"--trace {name} at --time-scale {time_scale:g}: its nodes live a median {wall_s:.2f} s "
+        f"on the wall clock, shorter than the {startup_s:.1f} s a worker takes to start here, "
+        f"so no step could commit; use --trace-clock steps (start-up is not trace time), or "
+        f"{lower}"
+    )
+
+
 def trace_events(
     trace: Trace, *, max_workers: int, time_scale: float, removal: Removal
 ) -> list[TimedEvent]:
