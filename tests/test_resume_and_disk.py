@@ -46,7 +46,7 @@ def _cfg(**sections: Any) -> Any:
         ({"data": {"path": "other.txt"}}, "spotline.data.path"),
         ({"determinism": {"enabled": False}}, "spotline.determinism.enabled"),
         ({"topology": {"stages": 4, "workers": 4}}, "spotline.topology.stages"),
-        ({"elasticity": {"logical_workers": 1}}, "spotline.elasticity.logical_workers"),
+        ({"elasticity": {"logical_workers": 4}}, "spotline.elasticity.logical_workers"),
         ({"gradient_clipping": 1.0}, "gradient_clipping"),
         ({"train_micro_batch_size_per_gpu": 2}, "train_micro_batch_size_per_gpu"),
         (
