@@ -119,15 +119,17 @@ def test_a_fatal_loss_restored_from_a_checkpoint_on_fewer_processes_continues_bi
     spotline_train,
 ) -> None:
     static = train(spotline_train, 4, 2, "--stages", "2")
-    # Without redundancy both stage-0 workers hold stage 0's only copies: killing both is a
-    # fatal loss; the two survivors restore from the checkpoint of step 2 and run both
-    # logical pipelines on one physical pipeline.
+    # Without redundancy (lazy is the default) both stage-0 workers hold stage 0's only
+    # copies: killing both is a fatal loss; the two survivors restore from the checkpoint of
+    # step 2 and run both logical pipelines on one physical pipeline.
     summary = train(
         spotline_train,
         4,
         2,
         "--stages",
         "2",
+        "--redundancy",
+        "off",
         "--checkpoint-interval",
         "2",
         "--inject",
