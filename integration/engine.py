@@ -365,7 +365,7 @@ def rebind_instruction_map(cls: type[PipelineEngine]) -> None:
 
     Trap: ``PipelineEngine._INSTRUCTION_MAP`` stores the base class's functions, so an
     overriding handler is never dispatched unless the subclass gets its own map
-    (DEEPSPEED-NOTES.md). Rebuilding it by name keeps every subclass honest.
+    (the ``_exec_schedule`` seam in patches/deepspeed_seams.py). Rebuilding it by name keeps every subclass honest.
     """
     base = cls.__mro__[1]._INSTRUCTION_MAP  # the parent's map, with its own instructions
     cls._INSTRUCTION_MAP = {
