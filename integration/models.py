@@ -622,7 +622,7 @@ def physical_parts(logical: Sequence[int], groups: Sequence[Sequence[int]]) -> l
     return [logical[group[0]] for group in groups] + [logical[-1]]
 
 
-class PlacedPipelineModule(PipelineModule):
+class PlacedPipelineModule(PipelineModule):  # type: ignore[misc]  # DeepSpeed is untyped
     """A PipelineModule whose stage boundaries are given rather than computed.
 
     Spotline merges logical stages into physical stages when workers are lost; the layer
