@@ -669,7 +669,7 @@ def bench_recovery(
         progress(f"recovery round {round_idx + 1}: {name}")
         run_dir = settings.output / "recovery" / f"{name}-{round_idx}"
         runs[name].append(run_spotline_train(config, run_dir, [*variants[name], *flags]))
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for name, results in runs.items():
         times = [e["recovery_s"] for r in results for e in r["recovery_events"]]
         rows[name] = {

@@ -76,7 +76,7 @@ def bench_easyscale(settings: BenchSettings, workers: int) -> dict[str, Any]:
 
     results = run_rounds(DP_VARIANTS, settings.repeats, run_one, "easyscale")
     keys = ("step_time_s", "samples_per_s")
-    step = {
+    step: dict[str, dict[str, Any]] = {
         v: {**medians(runs, keys), "runs": [r["step_time_s"] for r in runs]}
         for v, runs in results.items()
     }

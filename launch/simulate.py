@@ -212,7 +212,7 @@ def _format_table(rows: Sequence[tuple[str, dict[str, Any]]], first: str) -> str
     return "\n".join(lines)
 
 
-def _ratios(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+def _ratios(summaries: Mapping[PolicyName, Mapping[str, Any]]) -> dict[str, float]:
     ratios: dict[str, float] = {}
     spot = summaries.get("spotline")
     restart = summaries.get("checkpoint-restart")
