@@ -181,7 +181,7 @@ def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     """The environment of one stock rank: what ``spotline train`` gives its workers.
 
     Every one of RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK is needed: with one
-    missing DeepSpeed falls back to MPI discovery (DEEPSPEED-NOTES.md).
+    missing DeepSpeed falls back to MPI discovery (``deepspeed.init_distributed``).
     """
     env = child_env()
     env.update(
