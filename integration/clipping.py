@@ -1,7 +1,7 @@
 """Gradient clipping whose global norm does not depend on the placement.
 
 DeepSpeed's fp32 ``clip_grad_norm_`` under pipeline parallelism counts only stage 0's
-gradients (see patches/README.md), so the clipped update changes with the number of
+gradients (the ``clip_fp32_gradients`` seam in patches/deepspeed_seams.py), so the clipped update changes with the number of
 stages. Spotline computes the norm over *logical layers* instead: each global layer's
 squared gradient norm is computed (float64) by the one rank that owns the layer, the
 per-layer values are combined with an all-reduce in which every entry is non-zero on

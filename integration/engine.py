@@ -47,13 +47,13 @@ class RngContext:
     micro_batch: int
 
 
-class BeginLogicalWorker(PipeInstruction):
+class BeginLogicalWorker(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
     """Start the pipeline's ``index``-th hosted logical worker: its randomness (dropout is
     seeded by its id), its micro-batches and its loss from here on. Opens each repetition
     of the schedule's body; pairs with KeepLogicalGradients of the same index."""
 
 
-class KeepLogicalGradients(PipeInstruction):
+class KeepLogicalGradients(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
     """Move the ``index``-th hosted logical worker's gradients aside (and zero them) and
     record its loss. Closes its repetition of the body, after its ReduceTiedGrads; the
     step's one ReduceGrads reduces every kept logical worker exactly."""
@@ -113,7 +113,7 @@ class TiedPair:
     copy_layer: int
 
 
-class SpotlinePipelineEngine(PipelineEngine):
+class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed is untyped
     """DeepSpeed's pipeline engine with placement-independent math.
 
     What the subclass adds: a per-layer RNG reseed from :class:`RngContext` before every
@@ -169,7 +169,7 @@ class SpotlinePipelineEngine(PipelineEngine):
         )
         self._logical_losses: dict[int, torch.Tensor] = {}
 
-    def _train_schedule(self) -> LoweredSchedule:  # type: ignore[override]
+    def _train_schedule(self) -> LoweredSchedule:
         num_hosted = len(self.hosted_logical_workers)
         if num_hosted not in self._lowered:
             self._lowered[num_hosted] = LoweredSchedule(self._plan, self.stage_id, num_hosted)
@@ -364,10 +364,12 @@ def rebind_instruction_map(cls: type[PipelineEngine]) -> None:
     """Point every instruction at ``cls``'s handler.
 
     Trap: ``PipelineEngine._INSTRUCTION_MAP`` stores the base class's functions, so an
-    overriding handler is never dispatched unless the subclass gets its own map
-    (DEEPSPEED-NOTES.md). Rebuilding it by name keeps every subclass honest.
+    overriding handler is never dispatched unless the subclass gets its own map (the
+    ``_exec_schedule`` seam in patches/deepspeed_seams.py). Rebuilding it by name keeps every
+    subclass honest.
     """
-    base = cls.__mro__[1]._INSTRUCTION_MAP  # the parent's map, with its own instructions
+    parent: Any = cls.__mro__[1]  # a PipelineEngine class (DeepSpeed ships no type information)
+    base = parent._INSTRUCTION_MAP  # the parent's map, with its own instructions
     cls._INSTRUCTION_MAP = {
         instruction: getattr(cls, handler.__name__) for instruction, handler in base.items()
     }

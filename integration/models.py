@@ -1,8 +1,9 @@
 """Hugging Face causal LMs as DeepSpeed pipeline layers.
 
 Turns a transformers GPT-style causal LM (GPT-2, Llama, GPT-NeoX) into the flat list of
-``LayerSpec`` / ``TiedLayerSpec`` that ``deepspeed.pipe.PipelineModule`` partitions over
-stages, and maps state between the pipeline's names and the Hugging Face model's names.
+``LayerSpec`` that ``deepspeed.pipe.PipelineModule`` partitions over stages (never a
+``TiedLayerSpec``: see below), and maps state between the pipeline's names and the Hugging
+Face model's names.
 
 Layer layout (global layer indices, the same whatever the partition)::
 
@@ -114,7 +115,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
-# DeepSpeed's key for the tied embedding module; its state-dict prefix is "tied_modules.embed.".
 # Class name the "type:" partition method counts: only transformer blocks weigh anything.
 _BLOCK_CLASS_NAME = "TransformerBlockPipe"
 
@@ -322,7 +322,10 @@ class WeightSource:
 
 
 class TokenEmbeddingPipe(nn.Module):
-    """Token ids -> embeddings. As the tied module it also serves as the LM head."""
+    """Token ids -> embeddings (layer 0); never the LM head.
+
+    A tied model's head is :class:`TiedLMHeadPipe`, which holds its own copy of this weight.
+    """
 
     def __init__(self, source: WeightSource) -> None:
         super().__init__()
@@ -619,7 +622,7 @@ def physical_parts(logical: Sequence[int], groups: Sequence[Sequence[int]]) -> l
     return [logical[group[0]] for group in groups] + [logical[-1]]
 
 
-class PlacedPipelineModule(PipelineModule):
+class PlacedPipelineModule(PipelineModule):  # type: ignore[misc]  # DeepSpeed is untyped
     """A PipelineModule whose stage boundaries are given rather than computed.
 
     Spotline merges logical stages into physical stages when workers are lost; the layer

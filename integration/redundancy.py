@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from spotline.lr_schedule import constructor_hyper
 from spotline.plan import schedule as plan
 
 
-class StashOutput(PipeInstruction):
+class StashOutput(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
     """Keep a detached copy of this stage's forward output for micro-batch ``micro_batch_id``.
 
     The output is the successor's input: with it this stage can replay the successor
@@ -53,7 +54,7 @@ class StashOutput(PipeInstruction):
     """
 
 
-class StashInputGrad(PipeInstruction):
+class StashInputGrad(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
     """Keep a copy of the gradient of this stage's input for micro-batch ``micro_batch_id``.
 
     It is the output gradient of the predecessor, which the predecessor's replica holder
@@ -61,7 +62,7 @@ class StashInputGrad(PipeInstruction):
     """
 
 
-class ReplicaLoad(PipeInstruction):
+class ReplicaLoad(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
     """Last stage only: fetch stage 0's inputs (token ids) of ``micro_batch_id``.
 
     Stage 0's replica lives on the last stage, whose own LoadMicroBatch keeps only labels.
@@ -69,7 +70,7 @@ class ReplicaLoad(PipeInstruction):
     """
 
 
-class RedundantForward(PipeInstruction):
+class RedundantForward(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
     """Eager mode: run the successor's forward for ``micro_batch_id`` on the replica.
 
     Input: this stage's stashed output (or stage 0's inputs on the last stage). The autograd
@@ -77,7 +78,7 @@ class RedundantForward(PipeInstruction):
     """
 
 
-class ReplicaGradSend(PipeInstruction):
+class ReplicaGradSend(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
     """Post the send of this stage's reduced gradients to its replica holder (predecessor).
 
     Pairs with ReplicaGradRecv on the predecessor in the same step; the two run as one batch.
@@ -85,14 +86,14 @@ class ReplicaGradSend(PipeInstruction):
     """
 
 
-class ReplicaGradRecv(PipeInstruction):
+class ReplicaGradRecv(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
     """Receive the successor's reduced gradients into the replica; completes the ring batch.
 
     Pairs with ReplicaGradSend on the successor. Followed by ReplicaStep.
     """
 
 
-class ReplicaStep(PipeInstruction):
+class ReplicaStep(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
     """Apply the owner's update to the replica: same clip coefficient, learning rate, optimizer.
 
     After OptimizerStep (which computes the clip coefficient) and ReplicaGradRecv.
@@ -175,8 +176,14 @@ class Replica:
         assert offset == flat.numel()
 
 
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    """``param.grad``, which a replayed or received step has always set."""
+    assert param.grad is not None
+    return param.grad
+
+
 def state_digest(
-    named_params: list[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer
+    named_params: Sequence[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer
 ) -> str:
     """SHA-256 over parameters and their optimizer state, by name (the exactness check)."""
     h = hashlib.sha256()
@@ -384,7 +391,7 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         if self.replica_grads_from == "replay":
             received = self.replica.flat_grads
             self.replay_successor()
-            replayed = torch.cat([p.grad.reshape(-1) for p in self.replica.params])
+            replayed = torch.cat([_grad(p).reshape(-1) for p in self.replica.params])
             self.replay_matched_owner_grads = torch.equal(replayed, received)
         else:
             self.replica.set_grads_from_flat(self.replica.flat_grads)
@@ -426,12 +433,13 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
                 # DeepSpeedEngine.backward: the loss divided by the micro-batch count.
                 (out / self.micro_batches).backward()
             else:
-                out.backward(gradient=self.successor_output_grads[micro_batch])
+                # torch leaves Tensor.backward unannotated
+                out.backward(gradient=self.successor_output_grads[micro_batch])  # type: ignore[no-untyped-call]
         params = dict(replica.named_params)
         for pair in self.tied_pairs:
             for mine, partner in ((pair.original, pair.copy), (pair.copy, pair.original)):
                 if mine in params:
-                    held = params[mine].grad
+                    held = _grad(params[mine])
                     other = self.partner_grads[partner]
                     # The original's gradient first, as in _exec_reduce_tied_grads.
                     summed = held + other if mine == pair.original else other + held
@@ -498,7 +506,9 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
                 holder = (self.stage_of_layer(mine_layer) - 1) % stages
                 owner = self.stage_of_layer(partner_layer)
                 like = replica_params[mine] if holder == me else None
-                got = transfer(owner, holder, lambda name=partner: self._pre_tied_grads[name], like)
+                got = transfer(
+                    owner, holder, partial(self._pre_tied_grads.__getitem__, partner), like
+                )
                 if holder == me:
                     assert got is not None
                     partner_grads[partner] = got

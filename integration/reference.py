@@ -22,7 +22,7 @@ so tests compare with ``torch.equal`` and exact hashes.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -48,8 +48,9 @@ def train_reference(cfg: RunConfig) -> dict[str, Any]:
     model.train()
     hf_names = set(dict(model.named_parameters()))  # tied aliases appear once
 
-    embedding = model.get_input_embeddings().weight
-    head_module = model.get_output_embeddings()
+    embedding = cast(torch.Tensor, model.get_input_embeddings().weight)
+    # transformers leaves get_output_embeddings unannotated
+    head_module = model.get_output_embeddings()  # type: ignore[no-untyped-call]
     tied = head_module is not None and head_module.weight is embedding
     if tied:
         head_module.weight = torch.nn.Parameter(embedding.detach().clone())
@@ -91,7 +92,8 @@ def train_reference(cfg: RunConfig) -> dict[str, Any]:
                 loss = models.causal_lm_loss(logits, labels)
                 total = torch.zeros_like(loss) if total is None else total
                 total += loss.detach()
-                (loss / num_micro_batches).backward()
+                # torch leaves Tensor.backward unannotated
+                (loss / num_micro_batches).backward()  # type: ignore[no-untyped-call]
             if tied:
                 assert head is not None and embedding.grad is not None and head.grad is not None
                 summed = embedding.grad + head.grad
@@ -108,7 +110,13 @@ def train_reference(cfg: RunConfig) -> dict[str, Any]:
         if max_norm > 0:
             # The same placement-independent norm as the pipeline engine (spotline.clipping).
             named_grads = models.hf_to_layer_names(
-                {n: p.grad for n, p in model.named_parameters() if n in hf_names}, hf_config
+                # A missing gradient counts as nothing, as a None one does in per_layer_sq_norms.
+                {
+                    n: p.grad
+                    for n, p in model.named_parameters()
+                    if n in hf_names and p.grad is not None
+                },
+                hf_config,
             )
             values = per_layer_sq_norms(
                 named_grads.items(),

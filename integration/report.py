@@ -33,9 +33,12 @@ import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotline.tracking import write_bytes_atomic
+
+if TYPE_CHECKING:  # matplotlib is imported only when a plot is drawn
+    from matplotlib.figure import Figure
 
 PREEMPTION_EVENTS = frozenset({"preempted"})
 FAILURE_EVENTS = frozenset({"preempted", "detected"})
@@ -134,15 +137,17 @@ class Timeline:
             )
         write_bytes_atomic(Path(path), buffer.getvalue().encode("utf-8"))
 
-    def plot_png(self, path: Path, title: str) -> None:
+    def plot_png(self, path: Path, title: str) -> Figure:
         """Draw the timeline into ``path`` (PNG, atomically): live workers over time with
         preemptions and arrivals marked, each worker's placement spans, and committed
         throughput, on one shared time axis. Uses matplotlib's Agg canvas (no display, no
-        global pyplot state)."""
+        global pyplot state). Returns the figure drawn (its three axes, top to bottom), so
+        that a caller or a test can read what it shows."""
         figure = _plot(self.rows, title)
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png", dpi=100)
         write_bytes_atomic(Path(path), buffer.getvalue())
+        return figure
 
 
 def _spans(rows: list[TimelineRow], end_s: float) -> dict[str, list[tuple[float, float, str]]]:
@@ -172,7 +177,7 @@ def _color(stages: str) -> tuple[float, float, float]:
     return (0.45 + digest[0] / 512, 0.45 + digest[1] / 512, 0.45 + digest[2] / 512)
 
 
-def _plot(rows: list[TimelineRow], title: str) -> Any:
+def _plot(rows: list[TimelineRow], title: str) -> Figure:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

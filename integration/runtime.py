@@ -67,7 +67,8 @@ def reseed_torch(seed: int) -> None:
     numbers either way; an initialized CUDA device's current generator is seeded too.
     """
     torch.default_generator.manual_seed(seed)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    # torch leaves cuda.is_initialized unannotated
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         torch.cuda.manual_seed(seed)
 
 

@@ -21,16 +21,20 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 import torch.distributed as dist
 
 from spotline.errors import UserError
+
+if TYPE_CHECKING:  # imported on first use at run time (_make_etcd_store_class)
+    from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
 
 Backend = Literal["tcp", "etcd"]
 BACKENDS: tuple[Backend, ...] = ("tcp", "etcd")
@@ -91,7 +95,7 @@ def parse_store_arg(text: str) -> StoreSpec:
     if parts.scheme == "tcp" and parts.path not in ("", "/"):
         raise UserError(f"--store {text!r}: a tcp store takes no path; {usage}")
     try:
-        return StoreSpec(parts.scheme, host, port, prefix)  # type: ignore[arg-type]
+        return StoreSpec(parts.scheme, host, port, prefix)
     except ValueError as exc:
         raise UserError(f"--store {text!r}: {exc}; {usage}") from None
 
@@ -106,7 +110,7 @@ def _etcd_module() -> Any:
     return etcd
 
 
-def _etcd_store_class() -> type[dist.Store]:
+def _etcd_store_class() -> type[EtcdStore]:
     """``_SpotlineEtcdStore``, built on first use so that the tcp backend needs no etcd."""
     global _ETCD_STORE_CLASS
     if _ETCD_STORE_CLASS is None:
@@ -114,14 +118,14 @@ def _etcd_store_class() -> type[dist.Store]:
     return _ETCD_STORE_CLASS
 
 
-_ETCD_STORE_CLASS: type[dist.Store] | None = None
+_ETCD_STORE_CLASS: type[EtcdStore] | None = None
 
 
-def _make_etcd_store_class() -> type[dist.Store]:
+def _make_etcd_store_class() -> type[EtcdStore]:
     etcd = _etcd_module()
     from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
 
-    class _SpotlineEtcdStore(EtcdStore):  # type: ignore[misc]
+    class _SpotlineEtcdStore(EtcdStore):
         """torch's EtcdStore with the TCPStore's failure type and cheaper reads.
 
         EtcdStore signals a timeout with LookupError; callers written for the TCPStore catch
@@ -130,7 +134,7 @@ def _make_etcd_store_class() -> type[dist.Store]:
         the job's whole key directory on every call, which grows with heartbeats and reports.
         """
 
-        def _present(self, keys: list[str | bytes]) -> dict[str, bytes] | None:
+        def _present(self, keys: Sequence[str | bytes]) -> dict[str, bytes] | None:
             values: dict[str, bytes] = {}
             for key in keys:
                 try:
@@ -158,10 +162,10 @@ def _make_etcd_store_class() -> type[dist.Store]:
                     return int(next(iter(present.values())))
             return int(super().add(key, num))
 
-        def check(self, keys: list[str | bytes]) -> bool:
+        def check(self, keys: list[str]) -> bool:
             return self._present(keys) is not None
 
-        def wait(self, keys: list[str | bytes], override_timeout: timedelta | None = None) -> None:
+        def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
             if self._present(keys) is not None:
                 return
             try:

@@ -67,7 +67,8 @@ class Tracker:
                 project=settings.project,
                 name=settings.run_name,
                 dir=str(output_dir),
-                mode=mode,
+                # wandb's annotation omits modes its settings accept (e.g. "dryrun")
+                mode=mode,  # type: ignore[arg-type]
                 config=run_config,
                 reinit="finish_previous",
                 settings=wandb.Settings(silent=True, console="off"),

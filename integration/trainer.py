@@ -1,9 +1,12 @@
-"""The worker's training loop: one process, one DeepSpeed pipeline engine, one code path.
+"""The training loop of ``deepspeed launch/train.py``: one process, one DeepSpeed pipeline
+engine, a fixed membership and no recovery.
 
-Both entry points end here: ``deepspeed launch/train.py`` (DeepSpeed's launcher starts the
-processes) and ``spotline train`` (Spotline's launcher starts them). The loop reads each
-micro-batch from the global sampler by (step, logical worker, micro-batch), so what a
-pipeline trains on never depends on how many processes exist.
+Only DeepSpeed's launcher path runs :func:`run_worker`. ``spotline train`` runs its own loop
+(``ElasticWorker`` in ``spotline.elastic``, with generations and recovery); the two share
+:func:`prepare_inputs` (model config and corpus), the engine (``spotline.engine``,
+``spotline.redundancy``) and the global sampler, not the step loop (issue 11 makes them one
+loop). The loop reads each micro-batch from the global sampler by (step, logical worker,
+micro-batch), so what a pipeline trains on never depends on how many processes exist.
 """
 
 from __future__ import annotations

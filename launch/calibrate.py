@@ -34,7 +34,7 @@ from statistics import median
 from typing import Any, NoReturn
 
 from spotline.errors import UserError
-from spotline.launch.bench import (
+from spotline.launch.bench.jobs import (
     BenchSettings,
     RunFailed,
     machine_info,

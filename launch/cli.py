@@ -370,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return calibrate_main(argv[1:])
     if argv and argv[0] == "bench":
-        from spotline.launch.bench import main as bench_main
+        from spotline.launch.bench.command import main as bench_main
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from spotline.errors import UserError
 from spotline.plan.traces import (
@@ -46,6 +46,9 @@ from spotline.sim.engine import (
     young_daly_interval_s,
 )
 from spotline.sim.sweep import Aggregate, sweep
+
+if TYPE_CHECKING:  # matplotlib is imported only when a plot is drawn (it costs a second)
+    from matplotlib.figure import Figure
 
 SUMMARY_COLUMNS: tuple[tuple[str, str, str], ...] = (
     # (key, header, format)
@@ -212,7 +215,7 @@ def _format_table(rows: Sequence[tuple[str, dict[str, Any]]], first: str) -> str
     return "\n".join(lines)
 
 
-def _ratios(summaries: Mapping[str, Mapping[str, Any]]) -> dict[str, float]:
+def _ratios(summaries: Mapping[PolicyName, Mapping[str, Any]]) -> dict[str, float]:
     ratios: dict[str, float] = {}
     spot = summaries.get("spotline")
     restart = summaries.get("checkpoint-restart")
@@ -258,17 +261,18 @@ def _csv_text(rows: Sequence[dict[str, Any]]) -> str:
     return buffer.getvalue()
 
 
-def _plot_trace_run(
-    output: Path, trace: Trace, results: dict[PolicyName, PolicyResult]
-) -> list[Path]:
-    import matplotlib
+def trace_run_figure(trace: Trace, results: Mapping[PolicyName, PolicyResult]) -> Figure:
+    """The trace run's figure (what ``timeline.png`` shows): live spot nodes over the trace,
+    and per policy with a recorded timeline its windowed throughput and committed samples.
+    Drawn on matplotlib's Agg canvas, no pyplot state; returned so that tests can read its
+    series."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written: list[Path] = []
     hours = 1.0 / 3600.0
-    figure, (top, middle, bottom) = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    figure = Figure(figsize=(10, 9))
+    FigureCanvasAgg(figure)
+    top, middle, bottom = figure.subplots(3, 1, sharex=True)
     points = live_nodes_over_time(trace)
     xs = [t * hours for t, _ in points] + [trace.duration_s * hours]
     ys = [count for _, count in points] + [points[-1][1]]
@@ -291,11 +295,15 @@ def _plot_trace_run(
     bottom.set_xlabel("hours")
     bottom.legend(loc="upper left", fontsize="small")
     figure.tight_layout()
+    return figure
+
+
+def _plot_trace_run(
+    output: Path, trace: Trace, results: dict[PolicyName, PolicyResult]
+) -> list[Path]:
     path = output / "timeline.png"
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
-    written.append(path)
-    return written
+    trace_run_figure(trace, results).savefig(path, dpi=100)
+    return [path]
 
 
 def _committed_at(result: PolicyResult, t_s: float) -> float:
@@ -309,20 +317,26 @@ def _committed_at(result: PolicyResult, t_s: float) -> float:
     return current.committed_samples + current.samples_per_s * max(0.0, t_s - current.t_s)
 
 
-def _plot_sweep(output: Path, results: dict[float, dict[PolicyName, Aggregate]]) -> list[Path]:
-    import matplotlib
+# (metric, y-axis label, file name) of each sweep plot
+SWEEP_PLOTS: tuple[tuple[str, str, str], ...] = (
+    ("samples_per_usd", "samples per $", "value_vs_rate.png"),
+    ("samples_per_s", "samples/s", "throughput_vs_rate.png"),
+)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def sweep_figures(results: Mapping[float, Mapping[PolicyName, Aggregate]]) -> dict[str, Figure]:
+    """One figure per :data:`SWEEP_PLOTS` entry, by file name: the metric against the
+    preemption rate, one line per policy (Agg canvas, no pyplot state)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     rates = sorted(results)
     policies = list(next(iter(results.values())))
-    written: list[Path] = []
-    for metric, label, name in (
-        ("samples_per_usd", "samples per $", "value_vs_rate.png"),
-        ("samples_per_s", "samples/s", "throughput_vs_rate.png"),
-    ):
-        figure, axes = plt.subplots(figsize=(8, 5))
+    figures: dict[str, Figure] = {}
+    for metric, label, name in SWEEP_PLOTS:
+        figure = Figure(figsize=(8, 5))
+        FigureCanvasAgg(figure)
+        axes = figure.subplots()
         for policy in policies:
             axes.plot(
                 rates, [results[r][policy].get(metric) for r in rates], marker="o", label=policy
@@ -332,9 +346,15 @@ def _plot_sweep(output: Path, results: dict[float, dict[PolicyName, Aggregate]])
         axes.legend()
         axes.grid(True, alpha=0.3)
         figure.tight_layout()
+        figures[name] = figure
+    return figures
+
+
+def _plot_sweep(output: Path, results: dict[float, dict[PolicyName, Aggregate]]) -> list[Path]:
+    written: list[Path] = []
+    for name, figure in sweep_figures(results).items():
         path = output / name
         figure.savefig(path, dpi=100)
-        plt.close(figure)
         written.append(path)
     return written
 

@@ -1,11 +1,14 @@
 """Entry point for DeepSpeed's launcher.
 
-    deepspeed --num_gpus 4 launch/train.py --deepspeed_config configs/gpt2-tiny-2x2.json --steps 20
+    deepspeed --num_gpus 4 launch/train.py --deepspeed_config configs/default.json --steps 20
 
 (``--num_accelerators`` on CPU-only machines; DS_ACCELERATOR=cpu). The launcher sets RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK and appends ``--local_rank``; the number
-of workers is the launcher's world size. Training then follows exactly the same code path as
-``spotline train`` (spotline.trainer.run_worker).
+of workers is the launcher's world size. Each rank runs ``spotline.trainer.run_worker``: the
+same config, flags, engine (``spotline.engine``, ``spotline.redundancy``), global sampler and
+summary as ``spotline train``, but its own step loop, with no recovery (DeepSpeed's launcher
+kills every rank when one exits). ``spotline train``'s workers run another loop,
+``ElasticWorker`` in ``spotline.elastic``; issue 11 makes the two one.
 """
 
 from __future__ import annotations

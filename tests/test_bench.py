@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from conftest import run_spotline
 
-from spotline.launch import bench
+from spotline.launch.bench import command, jobs
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def quick_redundancy(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str
 @pytest.mark.timeout(600)
 def test_redundancy_quick_first_case(quick_redundancy: tuple[dict[str, Any], str]) -> None:
     report, stdout = quick_redundancy
-    assert report["steps"] == bench.QUICK_STEPS and report["repeats"] == bench.QUICK_REPEATS
+    assert report["steps"] == command.QUICK_STEPS and report["repeats"] == command.QUICK_REPEATS
     [case] = report["cases"]
     assert (case["case"], case["stages"], case["workers"], case["micro_batches"]) == (
         "2x2",
@@ -73,7 +73,7 @@ def test_redundancy_reports_redundant_compute_and_sync(
 
 def test_per_worker_summaries_become_per_rank_lists() -> None:
     summary = {"peak_rss_mib_per_worker": {"w10": 3.0, "w2": 2.0, "w0": 1.0}, "steps": 4}
-    out = bench.with_per_rank_lists(summary)
+    out = jobs.with_per_rank_lists(summary)
     assert out["peak_rss_mib_per_rank"] == [1.0, 2.0, 3.0]
     assert "redundant_compute_s_per_rank" not in out
 
@@ -97,7 +97,7 @@ def test_bad_input_is_one_line_and_exit_2(
     argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "bench"
-    assert bench.main([*argv, "--output", str(out)] if argv else argv) == 2
+    assert command.main([*argv, "--output", str(out)] if argv else argv) == 2
     captured = capsys.readouterr()
     lines = [line for line in captured.err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("spotline: error: "), captured.err
@@ -134,7 +134,7 @@ def test_data_parallel_baseline_and_exact_engine_run_side_by_side(tmp_path: Path
     the same 2 processes (smoke size; timings are reported, never asserted)."""
     from conftest import small_config, write_config
 
-    from spotline.launch.bench_easyscale import run_dp
+    from spotline.launch.bench.easyscale import run_dp
 
     config = write_config(tmp_path / "c.json", small_config(topology={"stages": 1, "workers": 2}))
     for mode in ("stock", "exact"):

@@ -6,6 +6,9 @@ import csv
 from pathlib import Path
 
 import pytest
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
 from spotline.report import CSV_COLUMNS, Timeline, summarize_recoveries
 
@@ -107,25 +110,84 @@ def test_record_validates() -> None:
 
 
 def assert_png(path: Path) -> None:
-    data = path.read_bytes()
-    assert data.startswith(PNG_MAGIC)
-    assert len(data) > 5000  # three labelled panels, not an empty canvas
+    """The figure was also written, as a PNG (what it shows is asserted on the figure)."""
+    assert path.read_bytes().startswith(PNG_MAGIC)
+
+
+def panels(figure: Figure) -> tuple[Axes, Axes, Axes]:
+    """The three panels, top to bottom, with their axis labels checked."""
+    live, place, rate = figure.axes
+    assert [ax.get_ylabel() for ax in figure.axes] == ["live workers", "placement", "samples/s"]
+    assert rate.get_xlabel() == "time since start (s)"
+    return live, place, rate
+
+
+def points(artist: Line2D) -> list[tuple[float, float]]:
+    return [
+        (float(x), float(y)) for x, y in zip(artist.get_xdata(), artist.get_ydata(), strict=True)
+    ]
 
 
 def test_plot_of_a_run_with_events(tmp_path: Path) -> None:
     path = tmp_path / "timeline.png"
-    hand_made_timeline().plot_png(path, "hand-made run")
+    timeline = hand_made_timeline()
+    figure = timeline.plot_png(path, "hand-made run")
     assert_png(path)
+    assert figure.get_suptitle() == "hand-made run"
+    live, place, rate = panels(figure)
+    # Live workers: one step line through every row, held to the end (11 s).
+    [line] = live.get_lines()
+    assert line.get_drawstyle() == "steps-post"
+    assert points(line) == [(r.t_s, r.live_workers) for r in timeline.rows] + [(11.0, 1.0)]
+    # Preemptions and arrivals marked where they happened, and named in the legend.
+    marks = {c.get_label(): c.get_offsets().tolist() for c in live.collections}
+    assert marks == {"preempted": [[2.0, 3.0], [5.0, 2.0], [5.0, 1.0]], "arrived": [[9.5, 2.0]]}
+    legend = live.get_legend()
+    assert legend is not None
+    assert [text.get_text() for text in legend.get_texts()] == ["preempted", "arrived"]
+    # Placement: one row of spans per worker in order of first appearance, labelled.
+    assert [label.get_text() for label in place.get_yticklabels()] == [
+        "w0",
+        "w1",
+        "w2",
+        "w3",
+        "w4",
+    ]
+    assert len(place.collections) == 5
+    assert {text.get_text() for text in place.texts} == {
+        "p0:s0",
+        "p0:s1",
+        "p0:s0+s1",
+        "p1:s0",
+        "p1:s1",
+        "standby",
+    }
+    # Throughput: the three committed steps, on the whole run's time axis.
+    [rate_line] = rate.get_lines()
+    assert points(rate_line) == [(1.0, 64.0), (4.0, 40.5), (11.0, 20.0)]
+    assert tuple(rate.get_xlim()) == (0.0, 11.0)
 
 
 def test_plot_of_a_run_without_events(tmp_path: Path) -> None:
     path = tmp_path / "empty.png"
-    Timeline().plot_png(path, "nothing happened")
+    figure = Timeline().plot_png(path, "nothing happened")
     assert_png(path)
+    assert figure.get_suptitle() == "nothing happened"
+    live, place, rate = panels(figure)
+    assert [text.get_text() for text in live.texts] == ["no events recorded"]
+    assert [len(ax.get_lines()) for ax in figure.axes] == [0, 0, 0]
+    assert live.get_legend() is None and len(place.collections) == len(rate.collections) == 0
     one = Timeline()
     one.record(0.0, "start", 0, 2, {"w0": "p0:s0", "w1": "p0:s1"}, None)
-    one.plot_png(tmp_path / "one.png", "one row")
+    figure = one.plot_png(tmp_path / "one.png", "one row")
     assert_png(tmp_path / "one.png")
+    live, place, rate = panels(figure)
+    # Events all at one time still get a visible axis (0 to 1 s).
+    assert tuple(rate.get_xlim()) == (0.0, 1.0)
+    [line] = live.get_lines()
+    assert points(line) == [(0.0, 2.0), (1.0, 2.0)]
+    assert [label.get_text() for label in place.get_yticklabels()] == ["w0", "w1"]
+    assert rate.get_lines() == [] and live.get_legend() is None
 
 
 def test_plot_of_a_run_with_many_events(tmp_path: Path) -> None:
@@ -143,5 +205,13 @@ def test_plot_of_a_run_with_many_events(tmp_path: Path) -> None:
         else:
             timeline.record(t_s, "step", index, len(placement), placement, 100.0 + index % 7)
     path = tmp_path / "many.png"
-    timeline.plot_png(path, "many events")
+    figure = timeline.plot_png(path, "many events")
     assert_png(path)
+    live, place, rate = panels(figure)
+    marks = {c.get_label(): len(c.get_offsets()) for c in live.collections}
+    assert marks == {"preempted": 24, "arrived": 24}
+    # 24 initial workers and 24 arrivals, each a row of the placement panel.
+    assert len(place.get_yticklabels()) == 48 == len(place.collections)
+    # 552 committed steps: one line, without per-point markers at this density.
+    [rate_line] = rate.get_lines()
+    assert len(rate_line.get_xdata()) == 552 and rate_line.get_marker() == "None"

@@ -9,8 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from spotline.launch.simulate import SWEEP_PLOTS, sweep_figures, trace_run_figure
 from spotline.launch.simulate import main as simulate_main
-from spotline.plan.traces import Trace, TraceEvent, load_trace, resize_trace, synthetic_trace
+from spotline.plan.traces import (
+    Trace,
+    TraceEvent,
+    live_nodes_over_time,
+    load_trace,
+    resize_trace,
+    synthetic_trace,
+)
 from spotline.sim.calibration import load_calibration
 from spotline.sim.engine import (
     POLICIES,
@@ -20,6 +28,7 @@ from spotline.sim.engine import (
     simulate_policies,
     young_daly_interval_s,
 )
+from spotline.sim.sweep import sweep
 
 # The public traces ship in integration/assets/traces; SPOTLINE_TRACES points elsewhere.
 TRACES = Path(
@@ -199,3 +208,53 @@ def test_cli_writes_results(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert "spot_price_per_node_hour" in document["assumptions"]
     assert (output / "results.csv").exists() and (output / "timeline.png").exists()
     assert "Assumptions:" in out and "spotline" in out
+
+
+def test_trace_run_figure_shows_the_trace_and_every_policy(toy_config: SimConfig) -> None:
+    """What ``timeline.png`` of ``spotline simulate --trace`` shows, read from its figure."""
+    config = SimConfig(toy_config.calibration, toy_config.model, 8, record_timeline=True)
+    trace = synthetic_trace(8, 2.0, 6 * 3600.0, seed=5, replace_after_s=30.0)
+    results = simulate_policies(trace, POLICIES, config)
+    figure = trace_run_figure(trace, results)
+    top, middle, bottom = figure.axes
+    assert top.get_title() == f"trace: {trace.source}"
+    assert [ax.get_ylabel() for ax in figure.axes] == [
+        "live spot nodes",
+        "samples/s (8-min windows)",  # 6 h in 48 windows
+        "committed samples",
+    ]
+    assert bottom.get_xlabel() == "hours"
+    # The trace's live nodes, held to its end (6 h).
+    [live] = top.get_lines()
+    assert len(live.get_xdata()) == len(live_nodes_over_time(trace)) + 1
+    assert float(live.get_xdata()[-1]) == 6.0
+    # One line per policy in the two lower panels, 49 window edges each, named in the legends.
+    for ax in (middle, bottom):
+        assert [line.get_label() for line in ax.get_lines()] == list(POLICIES)
+        assert {len(line.get_xdata()) for line in ax.get_lines()} == {49}
+        legend = ax.get_legend()
+        assert legend is not None
+        assert [text.get_text() for text in legend.get_texts()] == list(POLICIES)
+    # Committed samples end where each policy's run ended, to within one step: the plot
+    # interpolates between recorded points at the running rate.
+    step = config.model.samples_per_step
+    for line, policy in zip(bottom.get_lines(), POLICIES, strict=True):
+        final = float(line.get_ydata()[-1])
+        assert final == pytest.approx(results[policy].committed_samples, abs=step)
+
+
+def test_sweep_figures_plot_each_metric_against_the_rate(toy_config: SimConfig) -> None:
+    config = SimConfig(toy_config.calibration, toy_config.model, 8)
+    rates = (0.5, 2.0)
+    results = sweep(config, rates, POLICIES, range(2), duration_s=3600.0, replace_after_s=30.0)
+    figures = sweep_figures(results)
+    assert list(figures) == [name for _, _, name in SWEEP_PLOTS]
+    for metric, label, name in SWEEP_PLOTS:
+        [axes] = figures[name].axes
+        assert (axes.get_xlabel(), axes.get_ylabel()) == ("preemptions per node-hour", label)
+        assert [line.get_label() for line in axes.get_lines()] == list(POLICIES)
+        for line, policy in zip(axes.get_lines(), POLICIES, strict=True):
+            assert [float(x) for x in line.get_xdata()] == list(rates)
+            assert [float(y) for y in line.get_ydata()] == [
+                results[rate][policy].get(metric) for rate in rates
+            ]

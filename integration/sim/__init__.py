@@ -7,5 +7,7 @@
   placement, takeover and fatal-loss decision comes from the runtime's own planner,
   :mod:`spotline.plan.layout`.
 - :mod:`spotline.sim.sweep`: many seeds and preemption rates, optionally over processes.
-- :mod:`spotline.sim.bench`: the timed sweep benchmark (``python -m spotline.sim.bench``).
+
+The timed sweep benchmark is an entry point, not library code: ``python -m
+spotline.launch.bench.sim_sweep`` (launch/bench/sim_sweep.py).
 """

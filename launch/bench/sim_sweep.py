@@ -4,7 +4,7 @@ Default: 64 nodes of GPT-2 (8 stages x 8 pipelines), preemption rates 0.01 .. 0.
 node-hour (8 rates), 1,000 seeds each, 12 simulated hours per seed, every policy, on 2
 processes. The target is under 2 minutes on 2 cores. Run::
 
-    python -m spotline.sim.bench [--seeds 1000] [--workers 2] [--hours 12]
+    python -m spotline.launch.bench.sim_sweep [--seeds 1000] [--workers 2] [--hours 12]
 """
 
 from __future__ import annotations

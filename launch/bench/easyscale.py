@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from spotline.errors import UserError
-from spotline.launch.bench import (
+from spotline.launch.bench.jobs import (
     BenchSettings,
-    bench_reduce,
     machine_info,
     medians,
     resolve_base_config,
@@ -33,15 +32,16 @@ from spotline.launch.bench import (
     run_spotline_train,
     write_config,
 )
+from spotline.launch.bench.reduce import bench_reduce
 
 DP_VARIANTS = ("stock", "exact", "spotline")
 MEMORY_KS = (1, 2, 4)
 
 
 def run_dp(mode: str, config: Path, workers: int, steps: int, run_dir: Path) -> dict[str, Any]:
-    """``workers`` ranks of launch/dp_bench_worker.py; rank 0's JSON result."""
+    """``workers`` ranks of launch/bench/dp_worker.py; rank 0's JSON result."""
     return run_rank_module(
-        "spotline.launch.dp_bench_worker",
+        "spotline.launch.bench.dp_worker",
         ["--mode", mode, "--config", str(config), "--steps", str(steps)],
         workers,
         run_dir,
@@ -76,7 +76,7 @@ def bench_easyscale(settings: BenchSettings, workers: int) -> dict[str, Any]:
 
     results = run_rounds(DP_VARIANTS, settings.repeats, run_one, "easyscale")
     keys = ("step_time_s", "samples_per_s")
-    step = {
+    step: dict[str, dict[str, Any]] = {
         v: {**medians(runs, keys), "runs": [r["step_time_s"] for r in runs]}
         for v, runs in results.items()
     }

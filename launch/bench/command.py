@@ -1,0 +1,170 @@
+"""``spotline bench``: side-by-side benchmarks of real training runs on this machine.
+
+    spotline bench foundation [--steps 30] [--repeats 3] [--output runs/bench]
+    spotline bench redundancy [--steps 30] [--repeats 3] [--cases 2x2,2x4,4x4]
+    spotline bench recovery --trace FILE [--time-scale 60] [--max-workers 3]
+    spotline bench reduce [--elements 1000000] [--ranks 2] [--logical-workers 4]
+    spotline bench easyscale [--workers 2]
+
+Each subcommand runs its variants in one invocation, interleaved (A, B, A, B, ... for
+``--repeats`` rounds) so that machine noise (other jobs on a shared CPU, thermal drift)
+hits every variant alike, then reports the median over the rounds and the ratios between
+variants: a Markdown table on stdout and the whole record in ``<output>/bench-<name>.json``
+(written atomically). Every run is a real multi-process job started as a subprocess; its
+own output directory and logs stay under ``<output>/<name>/``. One module per benchmark
+(:mod:`~spotline.launch.bench.foundation`, :mod:`~spotline.launch.bench.redundancy`,
+:mod:`~spotline.launch.bench.recovery`, :mod:`~spotline.launch.bench.reduce`,
+:mod:`~spotline.launch.bench.easyscale`); this one parses the command line and dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from spotline.errors import UserError
+from spotline.launch.bench.easyscale import bench_easyscale, format_easyscale
+from spotline.launch.bench.foundation import bench_foundation, format_foundation
+from spotline.launch.bench.jobs import BenchSettings, run_guarded
+from spotline.launch.bench.recovery import bench_recovery, format_recovery
+from spotline.launch.bench.reduce import bench_reduce, format_reduce
+from spotline.launch.bench.redundancy import (
+    DEFAULT_CASES,
+    bench_redundancy,
+    format_redundancy,
+    parse_cases,
+)
+
+DEFAULT_STEPS = 30
+DEFAULT_REPEATS = 3
+QUICK_STEPS = 6
+QUICK_REPEATS = 1
+DEFAULT_OUTPUT = "runs/bench"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UserError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"bench: {message}; see spotline bench --help")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = _Parser(add_help=False)
+    common.add_argument(
+        "--output", default=DEFAULT_OUTPUT, help=f"results folder (default {DEFAULT_OUTPUT})"
+    )
+    common.add_argument(
+        "--steps", type=int, help=f"optimizer steps per run (default {DEFAULT_STEPS})"
+    )
+    common.add_argument(
+        "--repeats", type=int, help=f"interleaved rounds (default {DEFAULT_REPEATS})"
+    )
+    common.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"steps {QUICK_STEPS}, repeats {QUICK_REPEATS} unless given: a smoke test, not a measurement",
+    )
+    common.add_argument("--config", help="base config JSON (default: the built-in default)")
+    parser = _Parser(
+        prog="spotline bench",
+        description="side-by-side benchmarks of real training runs on this machine",
+    )
+    sub = parser.add_subparsers(
+        dest="bench", required=True, metavar="{foundation,redundancy,recovery,reduce,easyscale}"
+    )
+    sub.add_parser(
+        "foundation", parents=[common], help="Spotline vs stock DeepSpeed PipelineEngine"
+    )
+    redundancy = sub.add_parser(
+        "redundancy", parents=[common], help="redundancy off / lazy / eager"
+    )
+    redundancy.add_argument(
+        "--cases",
+        default=",".join(c.name for c in DEFAULT_CASES),
+        help="comma-separated <stages>x<micro-batches> (default %(default)s)",
+    )
+    recovery = sub.add_parser(
+        "recovery", parents=[common], help="in-memory failover vs checkpoint-restart on a trace"
+    )
+    recovery.add_argument(
+        "--trace", required=True, help="a spot trace (e.g. integration/assets/traces/p3-trace.csv)"
+    )
+    recovery.add_argument(
+        "--max-workers", type=int, default=3, help="local cap on workers (default 3)"
+    )
+    recovery.add_argument(
+        "--time-scale", type=float, default=60.0, help="trace seconds per wall second"
+    )
+    reduce = sub.add_parser(
+        "reduce", parents=[common], help="exact fixed-point reduction vs a float all_reduce"
+    )
+    reduce.add_argument(
+        "--elements", type=int, default=1_000_000, help="gradient elements (default 1,000,000)"
+    )
+    reduce.add_argument("--ranks", type=int, default=2, help="gloo processes (default 2)")
+    reduce.add_argument(
+        "--logical-workers", type=int, default=4, help="logical workers in all (default 4)"
+    )
+    easyscale = sub.add_parser(
+        "easyscale",
+        parents=[common],
+        help="logical workers: step time vs stock data parallelism, reduction, rescale, memory",
+    )
+    easyscale.add_argument(
+        "--workers", type=int, default=2, help="processes = logical workers (default 2)"
+    )
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else DEFAULT_STEPS)
+    repeats = (
+        args.repeats
+        if args.repeats is not None
+        else (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
+    )
+    if steps < 1:
+        raise UserError(f"--steps {steps}: use at least 1 step")
+    if repeats < 1:
+        raise UserError(f"--repeats {repeats}: use at least 1 round")
+    return BenchSettings(steps=steps, repeats=repeats, output=Path(args.output), config=args.config)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one benchmark; 0 on success, 2 on bad input, 1 when a benchmarked job failed."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+
+    def work(args: argparse.Namespace) -> int:
+        from spotline.tracking import write_json_atomic
+
+        settings = settings_from_args(args)
+        if args.bench == "foundation":
+            report = bench_foundation(settings)
+            table = format_foundation(report)
+        elif args.bench == "recovery":
+            report = bench_recovery(settings, args.trace, args.time_scale, args.max_workers)
+            table = format_recovery(report)
+        elif args.bench == "easyscale":
+            report = bench_easyscale(settings, args.workers)
+            table = format_easyscale(report)
+        elif args.bench == "reduce":
+            report = bench_reduce(settings, args.elements, args.ranks, args.logical_workers)
+            table = format_reduce(report)
+        else:
+            report = bench_redundancy(settings, parse_cases(args.cases))
+            table = format_redundancy(report)
+        report["command"] = ["spotline", "bench", *argv]
+        path = settings.output / f"bench-{report['bench']}.json"
+        write_json_atomic(path, report)
+        print(table)
+        print(f"\nresults: {path}", flush=True)
+        return 0
+
+    return run_guarded("bench", build_parser(), argv, work)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""``spotline bench foundation``: Spotline's engine against DeepSpeed's stock ``PipelineEngine``.
+
+``spotline train`` against the same model, batches and steps trained by DeepSpeed's stock
+``PipelineEngine`` (the rank worker :mod:`spotline.launch.bench.stock_worker`), on the default
+2 stages x 2 pipelines, interleaved rounds; medians and the ratios Spotline / stock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from spotline.launch.bench.jobs import (
+    BenchSettings,
+    machine_info,
+    median_per_rank,
+    medians,
+    resolve_base_config,
+    run_rank_module,
+    run_rounds,
+    run_spotline_train,
+    write_config,
+)
+
+
+def run_stock(config: Path, num_workers: int, run_dir: Path) -> dict[str, Any]:
+    """``num_workers`` ranks of ``spotline.launch.bench.stock_worker``; returns rank 0's JSON."""
+    return run_rank_module(
+        "spotline.launch.bench.stock_worker",
+        ["--config", str(config)],
+        num_workers,
+        run_dir,
+        "stock DeepSpeed",
+    )
+
+
+FOUNDATION_VARIANTS = ("spotline", "stock")
+FOUNDATION_KEYS = ("samples_per_s", "step_time_s", "wall_s", "setup_s", "final_loss", "process_s")
+
+
+def bench_foundation(settings: BenchSettings) -> dict[str, Any]:
+    """Spotline's engine vs DeepSpeed's stock engine on the default 2 stages x 2 pipelines."""
+    from spotline.launch.bench.stock_worker import TIED_COPY_NOTE
+
+    cfg = resolve_base_config(
+        settings, {"spotline.topology.workers": 4, "spotline.topology.stages": 2}
+    )
+    work = settings.output / "foundation"
+    config = write_config(cfg, work / "config.json")
+    info_before = machine_info()
+
+    def run_one(variant: str, round_idx: int) -> dict[str, Any]:
+        run_dir = work / f"{variant}-r{round_idx}"
+        if variant == "spotline":
+            return run_spotline_train(config, run_dir, [])
+        return run_stock(config, cfg.num_workers, run_dir)
+
+    results = run_rounds(FOUNDATION_VARIANTS, settings.repeats, run_one, "foundation")
+    variants: dict[str, Any] = {}
+    for variant, runs in results.items():
+        variants[variant] = {
+            **medians(runs, FOUNDATION_KEYS),
+            "peak_rss_mib_per_rank": median_per_rank([r["peak_rss_mib_per_rank"] for r in runs]),
+            "runs": [
+                {k: r[k] for k in (*FOUNDATION_KEYS, "peak_rss_mib_per_rank") if k in r}
+                for r in runs
+            ],
+        }
+    spot, stock = variants["spotline"], variants["stock"]
+    ratios = {
+        "samples_per_s": spot["samples_per_s"] / stock["samples_per_s"],
+        "step_time_s": spot["step_time_s"] / stock["step_time_s"],
+        "peak_rss_mib_max_rank": max(spot["peak_rss_mib_per_rank"])
+        / max(stock["peak_rss_mib_per_rank"]),
+        "peak_rss_mib_per_rank": [
+            a / b
+            for a, b in zip(
+                spot["peak_rss_mib_per_rank"], stock["peak_rss_mib_per_rank"], strict=True
+            )
+        ],
+    }
+    return {
+        "bench": "foundation",
+        "model": cfg.spotline.model.name,
+        "workers": cfg.num_workers,
+        "stages": cfg.num_stages,
+        "pipelines": cfg.num_pipelines,
+        "micro_batches": cfg.num_micro_batches,
+        "micro_batch_size": cfg.micro_batch_size,
+        "steps": settings.steps,
+        "repeats": settings.repeats,
+        "order": "interleaved: spotline, stock per round",
+        "statistic": "median over rounds (per rank for memory); ratios are spotline / stock",
+        "variants": variants,
+        "ratio_spotline_over_stock": ratios,
+        "note": TIED_COPY_NOTE,
+        "machine": {"before": info_before, "after": machine_info()},
+    }
+
+
+def format_foundation(report: dict[str, Any]) -> str:
+    def rss(values: Sequence[float]) -> str:
+        return " / ".join(f"{v:.0f}" for v in values)
+
+    v = report["variants"]
+    r = report["ratio_spotline_over_stock"]
+    rows = [
+        "| engine | samples/s | step time (ms, median) | peak RSS per rank (MiB) |",
+        "|---|---:|---:|---|",
+    ]
+    for name, title in (
+        ("spotline", "Spotline (spotline train)"),
+        ("stock", "stock DeepSpeed PipelineEngine"),
+    ):
+        rows.append(
+            f"| {title} | {v[name]['samples_per_s']:.1f} | {v[name]['step_time_s'] * 1000:.1f} "
+            f"| {rss(v[name]['peak_rss_mib_per_rank'])} |"
+        )
+    rows.append(
+        f"| ratio Spotline / stock | {r['samples_per_s']:.3f} | {r['step_time_s']:.3f} "
+        f"| {' / '.join(f'{x:.3f}' for x in r['peak_rss_mib_per_rank'])} |"
+    )
+    head = (
+        f"### foundation: {report['model']}, {report['workers']} workers "
+        f"({report['stages']} stages x {report['pipelines']} pipelines), "
+        f"{report['micro_batches']} micro-batches of {report['micro_batch_size']}, "
+        f"{report['steps']} steps, median of {report['repeats']} interleaved rounds"
+    )
+    return "\n".join([head, "", *rows, "", f"Note: {report['note']}."])

@@ -1,0 +1,223 @@
+"""``spotline bench redundancy``: redundancy ``off``, ``lazy`` and ``eager`` side by side.
+
+``spotline train`` with each mode for each case (stages x micro-batches, one pipeline, one
+process per stage), interleaved rounds, plus what the pure schedule says about the eager
+mode: the fraction of redundant forwards its bubbles can hide, and the steps it adds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from spotline.errors import UserError
+from spotline.launch.bench.jobs import (
+    BenchSettings,
+    machine_info,
+    median_per_rank,
+    medians,
+    resolve_base_config,
+    run_rounds,
+    run_spotline_train,
+    write_config,
+)
+from spotline.plan.schedule import REDUNDANCY_MODES
+
+
+@dataclass(frozen=True)
+class RedundancyCase:
+    """One shape of the redundancy benchmark: one pipeline of ``num_stages`` stages.
+
+    One process per stage (``num_workers == num_stages``), ``num_micro_batches`` per step.
+    Written ``<stages>x<micro-batches>`` (``2x4``) on the command line and in the report.
+    """
+
+    num_stages: int
+    num_micro_batches: int
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_stages
+
+    @property
+    def name(self) -> str:
+        return f"{self.num_stages}x{self.num_micro_batches}"
+
+
+# 2 stages with 2 and 4 micro-batches, and 4 stages on 4 processes: more processes than a
+# 2-core machine has cores, where the bubbles are no longer idle CPU time.
+DEFAULT_CASES = (RedundancyCase(2, 2), RedundancyCase(2, 4), RedundancyCase(4, 4))
+
+
+def parse_cases(text: str) -> tuple[RedundancyCase, ...]:
+    """``"2x2,4x4"`` -> the cases; raises UserError naming the bad entry."""
+    cases = []
+    for part in text.split(","):
+        fields = part.strip().lower().split("x")
+        if len(fields) != 2 or not all(f.isdigit() for f in fields):
+            raise UserError(
+                f"--cases entry {part.strip()!r} is not <stages>x<micro-batches>; use e.g. --cases 2x2,4x4"
+            )
+        num_stages, num_micro_batches = int(fields[0]), int(fields[1])
+        if num_stages < 2 or num_micro_batches < 1:
+            raise UserError(
+                f"--cases entry {part.strip()!r}: redundancy needs >= 2 stages and >= 1 micro-batch"
+            )
+        cases.append(RedundancyCase(num_stages, num_micro_batches))
+    if len(set(cases)) != len(cases):
+        raise UserError(f"--cases {text!r} names a case twice; list each case once")
+    return tuple(cases)
+
+
+def schedule_facts(case: RedundancyCase) -> dict[str, Any]:
+    """What the pure schedule says about a case: eager's hidden fraction, extra steps per mode."""
+    from spotline.plan import schedule as plan
+
+    base = plan.train_schedule(case.num_stages, case.num_micro_batches)
+    by_mode = {mode: plan.add_redundancy(base, mode) for mode in REDUNDANCY_MODES}
+    return {
+        "hidden_fraction": plan.hidden_fraction(by_mode["eager"]),
+        "num_extra_steps": {mode: plan.num_extra_steps(s) for mode, s in by_mode.items()},
+        "num_schedule_steps": {mode: s.num_steps for mode, s in by_mode.items()},
+        "eager_grid": plan.format_grid(by_mode["eager"]),
+    }
+
+
+REDUNDANCY_KEYS = ("step_time_s", "samples_per_s", "wall_s", "process_s")
+
+
+def _per_step_median(runs: Sequence[dict[str, Any]], key: str) -> list[float] | None:
+    """Median over runs of a per-rank total divided by the steps; None if a run lacks it."""
+    if not all(key in r for r in runs):
+        return None
+    # The engine's counters add up over the whole run.
+    return median_per_rank([[v / r["steps"] for v in r[key]] for r in runs])
+
+
+def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -> dict[str, Any]:
+    """Redundancy off/lazy/eager, interleaved, for each case; medians and ratios to off."""
+    report_cases = []
+    for case in cases:
+        facts = schedule_facts(case)
+        print(f"eager schedule, {case.name} (stages x micro-batches), compute actions:")
+        print("```")
+        print(facts["eager_grid"])
+        print("```", flush=True)
+        cfg = resolve_base_config(
+            settings,
+            {
+                "spotline.topology.workers": case.num_workers,
+                "spotline.topology.stages": case.num_stages,
+                "gradient_accumulation_steps": case.num_micro_batches,
+            },
+        )
+        work = settings.output / "redundancy" / case.name
+        config = write_config(cfg, work / "config.json")
+
+        def run_one(
+            mode: str, round_idx: int, work: Path = work, config: Path = config
+        ) -> dict[str, Any]:
+            return run_spotline_train(config, work / f"{mode}-r{round_idx}", ["--redundancy", mode])
+
+        results = run_rounds(REDUNDANCY_MODES, settings.repeats, run_one, f"redundancy {case.name}")
+        modes: dict[str, Any] = {}
+        for mode, runs in results.items():
+            modes[mode] = {
+                **medians(runs, REDUNDANCY_KEYS),
+                "peak_rss_mib_per_rank": median_per_rank(
+                    [r["peak_rss_mib_per_rank"] for r in runs]
+                ),
+                "redundant_compute_s_per_step_per_rank": _per_step_median(
+                    runs, "redundant_compute_s_per_rank"
+                ),
+                "replica_sync_s_per_step_per_rank": _per_step_median(
+                    runs, "replica_sync_s_per_rank"
+                ),
+                "num_extra_steps": facts["num_extra_steps"][mode],
+                "param_sha256": sorted({r["param_sha256"] for r in runs}),
+            }
+        off = modes["off"]
+        for mode in REDUNDANCY_MODES:
+            m = modes[mode]
+            m["step_time_ratio_to_off"] = m["step_time_s"] / off["step_time_s"]
+            m["peak_rss_ratio_to_off_max_rank"] = max(m["peak_rss_mib_per_rank"]) / max(
+                off["peak_rss_mib_per_rank"]
+            )
+            m["peak_rss_ratio_to_off_per_rank"] = [
+                a / b
+                for a, b in zip(
+                    m["peak_rss_mib_per_rank"], off["peak_rss_mib_per_rank"], strict=True
+                )
+            ]
+        report_cases.append(
+            {
+                "case": case.name,
+                "stages": case.num_stages,
+                "workers": case.num_workers,
+                "micro_batches": case.num_micro_batches,
+                "micro_batch_size": cfg.micro_batch_size,
+                "hidden_fraction": facts["hidden_fraction"],
+                "num_schedule_steps": facts["num_schedule_steps"],
+                "eager_grid": facts["eager_grid"],
+                "modes": modes,
+            }
+        )
+    optional = ("redundant_compute_s_per_step_per_rank", "replica_sync_s_per_step_per_rank")
+    missing = sorted(
+        {f for c in report_cases for m in c["modes"].values() for f in optional if m[f] is None}
+    )
+    return {
+        "bench": "redundancy",
+        # Columns the training summaries did not report (shown as n/a).
+        "missing_fields": missing,
+        "model": cfg.spotline.model.name,
+        "steps": settings.steps,
+        "repeats": settings.repeats,
+        "order": "per case, interleaved: off, lazy, eager per round",
+        "statistic": (
+            "median over rounds (per rank for memory and seconds); redundant compute and "
+            "replica sync are seconds per step; hidden_fraction is the eager schedule's share "
+            "of redundant forwards placed in bubbles (a bound on what can be hidden)"
+        ),
+        "cases": report_cases,
+        "machine": machine_info(),
+    }
+
+
+def format_redundancy(report: dict[str, Any]) -> str:
+    def per_rank(values: Sequence[float], fmt: str) -> str:
+        return " / ".join(format(v, fmt) for v in values)
+
+    rows = [
+        "| case (SxM) | mode | step (ms) | vs off | peak RSS per rank (MiB) | RSS vs off (max rank) "
+        "| redundant fwd (ms/step per rank) | replica sync (ms/step per rank) | hidden fraction | extra steps |",
+        "|---|---|---:|---:|---|---:|---|---|---:|---:|",
+    ]
+    for case in report["cases"]:
+        for mode, m in case["modes"].items():
+            hidden = f"{case['hidden_fraction']:.2f}" if mode == "eager" else "-"
+            redundant = m["redundant_compute_s_per_step_per_rank"]
+            sync = m["replica_sync_s_per_step_per_rank"]
+            ms_redundant = (
+                "n/a" if redundant is None else per_rank([v * 1000 for v in redundant], ".1f")
+            )
+            ms_sync = "n/a" if sync is None else per_rank([v * 1000 for v in sync], ".1f")
+            rows.append(
+                f"| {case['case']} ({case['workers']} procs) | {mode} | {m['step_time_s'] * 1000:.1f} "
+                f"| {m['step_time_ratio_to_off']:.3f} | {per_rank(m['peak_rss_mib_per_rank'], '.0f')} "
+                f"| {m['peak_rss_ratio_to_off_max_rank']:.3f} | {ms_redundant} "
+                f"| {ms_sync} | {hidden} | {m['num_extra_steps']} |"
+            )
+    head = (
+        f"### redundancy: {report['model']}, one pipeline, one process per stage, "
+        f"{report['steps']} steps, median of {report['repeats']} interleaved rounds"
+    )
+    lines = [head, "", *rows]
+    if report["missing_fields"]:
+        lines += [
+            "",
+            f"n/a: the training summaries did not report {', '.join(report['missing_fields'])}.",
+        ]
+    return "\n".join(lines)
