@@ -93,9 +93,8 @@ class Coordinator:
         # When the last generation's first member reported (the clock of a change without
         # a failure starts there).
         self.generation_end_t: float | None = None
-        self.metrics = RunMetrics(cfg, self.store)
-        self.metrics.t0 = t0  # the run's clock starts before the store is up
-        self.metrics.snapshot = self._snapshot
+        # The run's clock starts before the store is up (an etcd connection takes a moment).
+        self.metrics = RunMetrics(cfg, self.store, snapshot=self._snapshot, t0=t0)
         self.supervisor = Supervisor(
             self.store,
             self.metrics,

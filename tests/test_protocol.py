@@ -229,3 +229,38 @@ def test_the_coordinator_imports_no_torch_deepspeed_or_transformers() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_runtime_and_the_simulator_share_one_policy_vocabulary() -> None:
+    import typing
+
+    from spotline.config import RecoverySection
+    from spotline.launch.control.recovery import POLICIES
+    from spotline.plan.policies import RECOVERY_MODES, SIM_POLICIES, SIMULATED_RECOVERY
+    from spotline.sim.engine import POLICIES as SIMULATED
+
+    mode = typing.get_type_hints(RecoverySection)["mode"]
+    assert typing.get_args(mode) == RECOVERY_MODES == ("failover", "checkpoint-restart")
+    assert tuple(POLICIES) == RECOVERY_MODES
+    assert all(policy.name == name for name, policy in POLICIES.items())
+    assert SIMULATED == SIM_POLICIES
+    # Every simulated policy but the on-demand baseline runs one of the runtime's policies.
+    assert set(SIMULATED_RECOVERY) == set(SIM_POLICIES) - {"on-demand"}
+    assert set(SIMULATED_RECOVERY.values()) == set(RECOVERY_MODES)
+
+
+def test_the_checkpoint_interval_is_the_policy_s() -> None:
+    from conftest import small_config
+
+    from spotline.config import parse_config
+    from spotline.launch.control.recovery import POLICIES
+
+    failover, restart = POLICIES["failover"], POLICIES["checkpoint-restart"]
+    given = parse_config(small_config(checkpoints={"interval_steps": 3}))
+    unset = parse_config(small_config())
+    assert (
+        failover.checkpoint_interval(given, 10.0) == restart.checkpoint_interval(given, 10.0) == 3
+    )
+    assert failover.checkpoint_interval(unset, 10.0) == 0  # failover needs none by default
+    assert restart.checkpoint_interval(unset, None) == 0  # no preemptions expected
+    assert restart.checkpoint_interval(unset, 3600.0) > 0  # Young/Daly

@@ -7,7 +7,8 @@ losses, learning rates and step times, and what each worker measured (its last
 run) and builds ``summary.json`` (:meth:`RunMetrics.summary`) and the wandb log.
 
 What the timeline needs of the job at each event (the step reached, the live workers and
-what each does) comes from a ``snapshot`` callable the coordinator gives it.
+what each does) comes from a ``snapshot`` callable the coordinator gives it (called only
+once the run has started).
 """
 
 from __future__ import annotations
@@ -50,11 +51,13 @@ class Event:
 class RunMetrics:
     """Counters, events, timeline, per-step values and per-worker measurements of one run."""
 
-    def __init__(self, cfg: RunConfig, store: Store) -> None:
+    def __init__(
+        self, cfg: RunConfig, store: Store, *, snapshot: Snapshot, t0: float | None = None
+    ) -> None:
         self.cfg = cfg
         self.store = store
-        self.t0 = time.monotonic()
-        self.snapshot: Snapshot = lambda: (0, 0, {})  # the coordinator sets its own
+        self.t0 = time.monotonic() if t0 is None else t0  # the run's clock (monotonic)
+        self.snapshot = snapshot
         self.events: list[Event] = []
         self.timeline = Timeline()
         self.preemptions = 0
