@@ -105,6 +105,8 @@ class CheckpointCommits:
 
     def latest(self) -> int | None:
         """The newest complete checkpoint on disk (None: none)."""
+        if not self.root.exists():
+            return None
         from spotline.checkpoint import latest_complete
 
-        return latest_complete(self.root) if self.root.exists() else None
+        return latest_complete(self.root)
