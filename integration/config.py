@@ -24,10 +24,10 @@ from typing import Any, Literal, TypeVar, Union
 
 from spotline.errors import UserError
 from spotline.plan.chaos import parse_rescales
+from spotline.plan.policies import RecoveryMode
 
 RedundancyMode = Literal["off", "lazy", "eager"]
 ReplicaDevice = Literal["accelerator", "host"]
-RecoveryMode = Literal["failover", "checkpoint-restart"]
 StoreBackend = Literal["tcp", "etcd"]
 OnWriteError = Literal["stop", "continue"]
 WandbMode = Literal["offline", "online", "disabled"]

@@ -24,12 +24,12 @@ training is done. Then the worker:
 from __future__ import annotations
 
 import gc
-import json
 import os
 import signal
 import threading
 import time
 import traceback
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -48,6 +48,33 @@ from spotline.plan import logical
 from spotline.plan.chaos import parse_injections
 from spotline.plan.layout import Holding, Layout, pipeline_name
 from spotline.plan.sampler import GlobalSampler
+from spotline.protocol import (
+    CHECKPOINT_ERRORS_COUNTER,
+    FINAL_HASH_KEY,
+    CheckpointWriteError,
+    Outcome,
+    Plan,
+    Rebalance,
+    ReplicaMismatch,
+    Report,
+    WorkerStats,
+    abort_key,
+    checkpoint_error_key,
+    entry_key,
+    error_key,
+    heartbeat_key,
+    joined_key,
+    leaving_key,
+    loss_key,
+    lr_key,
+    plan_key,
+    process_group_prefix,
+    progress_key,
+    ready_key,
+    report_key,
+    stop_checkpoint_key,
+    stop_key,
+)
 from spotline.redundancy import RedundantPipelineEngine
 from spotline.runtime import configure_process, param_sha256, peak_rss_mib, seed_everything
 
@@ -283,18 +310,18 @@ class ElasticWorker:
         self.train_start_t = float("inf")
         self.train_end_t = 0.0
         self.replica_checks = 0
-        self.replica_mismatches: list[dict[str, int]] = []
+        self.replica_mismatches: list[ReplicaMismatch] = []
         self.redundant_s = 0.0
         self.replica_sync_s = 0.0
         # Speed measurement: seconds per logical worker on this rank since the last rebalance.
         self._lw_seconds = 0.0
         self._lw_count = 0
         self.seconds_per_logical_worker: float | None = None
-        self.rebalances: list[dict[str, Any]] = []  # moves within a generation (rank 0)
+        self.rebalances: list[Rebalance] = []  # moves within a generation (rank 0)
         self._measuring = False
         self.error: str | None = None
         # Checkpoint writes that failed (from the writer's thread), not yet told to the store.
-        self._ckpt_errors: list[dict[str, Any]] = []
+        self._ckpt_errors: list[CheckpointWriteError] = []
         self._ckpt_errors_lock = threading.Lock()
 
     # -- plumbing ---------------------------------------------------------------------
@@ -307,11 +334,11 @@ class ElasticWorker:
         def beat() -> None:
             while not self._hb_stop.is_set():
                 try:
-                    hb_store.set(f"hb/{self.wid}", repr(time.time()))
+                    hb_store.set(heartbeat_key(self.wid), repr(time.time()))
                     if self.leaving:
-                        hb_store.set(f"leaving/{self.wid}", "1")
+                        hb_store.set(leaving_key(self.wid), "1")
                     training = self._training_generation
-                    if training is not None and hb_store.check([f"abort/{training}"]):
+                    if training is not None and hb_store.check([abort_key(training)]):
                         # A peer failed: unblock whatever gloo operation this process waits in.
                         self._training_generation = None
                         abort_connections(self.port)
@@ -367,15 +394,12 @@ class ElasticWorker:
         grace = self.cfg.spotline.recovery.term_grace_s
         threading.Timer(grace, lambda: os._exit(0)).start()
 
-    def _get_json(self, key: str) -> Any:
-        return self._wait_json(key)
-
-    def _wait_json(self, key: str) -> Any:
+    def _wait_value(self, key: str) -> bytes:
         """Wait for a key as long as it takes (a standby may wait for minutes)."""
         while True:
             try:
                 self.store.wait([key], timedelta(seconds=30))
-                return json.loads(self.store.get(key).decode())
+                return self.store.get(key)
             except dist.DistStoreError:
                 continue
 
@@ -400,20 +424,19 @@ class ElasticWorker:
             seed=sl.training.seed,
         )
         self._start_heartbeat()
-        self.store.set(f"joined/{self.wid}", "1")
-        generation = int(self._wait_json(f"entry/{self.wid}"))
+        self.store.set(joined_key(self.wid), "1")
+        generation = int(self._wait_value(entry_key(self.wid)).decode())
         while True:
-            plan = self._get_json(f"plan/{generation}")
-            if plan["action"] == "finish":
+            plan = Plan.decode(self._wait_value(plan_key(generation)))
+            if plan.action == "finish":
                 break
-            outcome = "standby"
+            outcome: Outcome = "standby"
             # The coordinator decides the interval (given, or Young/Daly for the baseline).
-            self.checkpoint_interval = int(
-                plan.get("checkpoint_interval", self.checkpoint_interval)
-            )
-            layout = _layout_from_json(plan["layout"]) if plan["layout"] else None
-            if plan["action"] == "restore":
-                self._restore_checkpoint(plan["checkpoint_step"])
+            self.checkpoint_interval = plan.checkpoint_interval
+            layout = plan.layout
+            if plan.action == "restore":
+                assert plan.checkpoint_step is not None  # Plan's invariant
+                self._restore_checkpoint(plan.checkpoint_step)
             if layout is not None and self.wid in layout.members:
                 outcome = self._run_generation(generation, plan, layout)
             self._report(generation, outcome, layout)
@@ -429,9 +452,7 @@ class ElasticWorker:
     def _checkpoint_failed(self, step: int, path: Path, error: Exception) -> None:
         """The checkpoint writer's thread: a file of ``step`` could not be written."""
         with self._ckpt_errors_lock:
-            self._ckpt_errors.append(
-                {"step": step, "path": str(path), "error": str(error), "worker": self.wid}
-            )
+            self._ckpt_errors.append(CheckpointWriteError(step, str(path), str(error), self.wid))
         self._note(f"checkpoint of step {step} not written: {path}: {error}")
 
     def _publish_checkpoint_errors(self) -> None:
@@ -441,42 +462,45 @@ class ElasticWorker:
         with self._ckpt_errors_lock:
             errors, self._ckpt_errors = self._ckpt_errors, []
         for entry in errors:
-            n = self.store.add("checkpoint-errors", 1)
-            self.store.set(f"checkpoint-error/{n}", json.dumps(entry))
+            n = self.store.add(CHECKPOINT_ERRORS_COUNTER, 1)
+            self.store.set(checkpoint_error_key(n), entry.encode())
 
-    def _report(self, generation: int, outcome: str, layout: Layout | None) -> None:
+    def _report(self, generation: int, outcome: Outcome, layout: Layout | None) -> None:
         self._publish_checkpoint_errors()
         previous = None
         if layout is not None and self.wid in layout.members:
-            previous = list(layout.slot_of(self.wid))
-        report = {
-            "worker": self.wid,
-            "outcome": outcome if not self.leaving else "leaving",
-            "holdings": [[h.stage, h.version, h.ready] for h in self.holdings.report()],
-            "previous_slot": previous,
-            "losses": {str(k): v for k, v in self.losses.items()},
-            "step_times": {str(k): v for k, v in self.step_times.items()},
-            "peak_rss_mib": peak_rss_mib(),
-            "train_start_t": self.train_start_t if self.train_start_t != float("inf") else None,
-            "train_end_t": self.train_end_t or None,
-            "replica_checks": self.replica_checks,
-            "replica_mismatches": self.replica_mismatches,
-            "redundant_compute_s": self.redundant_s,
-            "replica_sync_s": self.replica_sync_s,
-            "seconds_per_logical_worker": (
+            previous = layout.slot_of(self.wid)
+        stats = WorkerStats(
+            train_start_t=self.train_start_t if self.train_start_t != float("inf") else None,
+            train_end_t=self.train_end_t or None,
+            replica_checks=self.replica_checks,
+            replica_mismatches=tuple(self.replica_mismatches),
+            redundant_compute_s=self.redundant_s,
+            replica_sync_s=self.replica_sync_s,
+            seconds_per_logical_worker=(
                 self._lw_seconds / self._lw_count
                 if self._lw_count
                 else self.seconds_per_logical_worker
             ),
-            "rebalances": self.rebalances,
-            "error": self.error,
-        }
-        self.store.set(f"report/{generation}/{self.wid}", json.dumps(report))
+            rebalances=tuple(self.rebalances),
+        )
+        report = Report(
+            worker=self.wid,
+            outcome=outcome if not self.leaving else "leaving",
+            holdings=tuple(self.holdings.report()),
+            previous_slot=previous,
+            losses=dict(self.losses),
+            step_times=dict(self.step_times),
+            peak_rss_mib=peak_rss_mib(),
+            stats=stats,
+            error=self.error,
+        )
+        self.store.set(report_key(generation, self.wid), report.encode())
 
     # -- one generation ---------------------------------------------------------------
-    def _run_generation(self, generation: int, plan: dict[str, Any], layout: Layout) -> str:
+    def _run_generation(self, generation: int, plan: Plan, layout: Layout) -> Outcome:
         sl = self.cfg.spotline
-        resume = int(plan["resume_step"])
+        resume = plan.resume_step
         self._roll_forward_to(resume)
         rank = layout.rank_of(self.wid)
         world = len(layout.members)
@@ -485,12 +509,12 @@ class ElasticWorker:
         # Watched from here on: a peer lost while the group, the engine or the state transfer
         # is being set up must unblock this process as it would mid-step.
         self._training_generation = generation
-        outcome = "failed"
+        outcome: Outcome = "failed"
         self.error = None
         try:
             dist.init_process_group(
                 "gloo",
-                store=dist.PrefixStore(f"pg/{generation}", self.store),
+                store=dist.PrefixStore(process_group_prefix(generation), self.store),
                 rank=rank,
                 world_size=world,
                 timeout=timedelta(seconds=sl.recovery.collective_timeout_s),
@@ -501,9 +525,10 @@ class ElasticWorker:
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
             deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
             engine = self._build_engine(layout)
-            self._place_logical_workers(engine, plan["logical"])
+            assert plan.logical is not None  # a plan with a layout assigns logical workers
+            self._place_logical_workers(engine, plan.logical)
             self._load_state(engine, layout, plan)
-            self.store.set(f"ready/{generation}/{self.wid}", repr(time.perf_counter() - t0))
+            self.store.set(ready_key(generation, self.wid), repr(time.perf_counter() - t0))
             outcome = self._train(engine, generation, resume)
         except NonFiniteGradient as exc:
             # Every rank raises it (the exact reduction's flags are all-reduced) before the
@@ -521,7 +546,7 @@ class ElasticWorker:
             outcome = "failed"
             # Tell every member at once (their watchdogs unblock them), and unblock our peers.
             self._training_generation = None
-            self.store.set(f"abort/{generation}", self.wid)
+            self.store.set(abort_key(generation), self.wid)
             abort_connections(self.port)
         except Exception as exc:
             # Not a lost peer (a full disk at the export, a bug): the job must stop with this
@@ -530,7 +555,7 @@ class ElasticWorker:
             self._note(f"generation {generation}: error:\n{traceback.format_exc()}")
             outcome = "error"
             self._training_generation = None
-            self.store.set(f"abort/{generation}", self.wid)
+            self.store.set(abort_key(generation), self.wid)
             abort_connections(self.port)
         # Outside the except block: the traceback (and the engine it references) is gone.
         self._training_generation = None
@@ -594,13 +619,11 @@ class ElasticWorker:
             else:
                 st.grads = None
 
-    def _load_state(
-        self, engine: RedundantPipelineEngine, layout: Layout, plan: dict[str, Any]
-    ) -> None:
+    def _load_state(self, engine: RedundantPipelineEngine, layout: Layout, plan: Plan) -> None:
         """Own stages from memory or from the plan's source; replicas by a ring transfer."""
         self._recipe = self._optimizer_recipe(engine)
-        holders = {int(s): ws for s, ws in plan["holders"].items()}
-        sources = {int(s): w for s, w in plan["sources"]}
+        holders = plan.holders
+        sources = dict(plan.sources)
         fresh = not holders  # generation 0: everyone starts from the initial weights
         own_names = self._names_by_stage(engine.module.named_parameters())
         ops: list[dist.P2POp] = []
@@ -629,9 +652,7 @@ class ElasticWorker:
                 for work in dist.batch_isend_irecv(ops):
                     work.wait()
             for stage, buf in incoming:
-                self.holdings.stages[stage] = unpack(
-                    own_names[stage], buf, int(plan["resume_step"])
-                )
+                self.holdings.stages[stage] = unpack(own_names[stage], buf, plan.resume_step)
             params = dict(engine.module.named_parameters())
             for stage, names in own_names.items():
                 st = self.holdings.stages[stage]
@@ -641,7 +662,7 @@ class ElasticWorker:
                     engine.optimizer.state[params[name]] = {
                         k: v.clone() for k, v in st.opt[name].items()
                     }
-        resume = int(plan["resume_step"])
+        resume = plan.resume_step
         engine.applied_steps = resume
         engine.global_steps = resume
         # DeepSpeed's scheduler object starts at zero in every new engine: move it to the
@@ -695,7 +716,7 @@ class ElasticWorker:
             st.opt[name] = _opt_state(engine.optimizer, p)
         return out
 
-    def _train(self, engine: RedundantPipelineEngine, generation: int, resume: int) -> str:
+    def _train(self, engine: RedundantPipelineEngine, generation: int, resume: int) -> Outcome:
         sl = self.cfg.spotline
         current = {"step": resume}
 
@@ -717,7 +738,7 @@ class ElasticWorker:
         # watchdog (heartbeat thread) sees the abort and shuts this process's connections.
         for step in range(resume, sl.training.steps):
             current["step"] = step
-            self.store.set(f"progress/{generation}/{self.wid}", str(step))
+            self.store.set(progress_key(generation, self.wid), str(step))
             if self._should_stop(generation, step):
                 self._checkpoint_at_stop(engine, generation, step)
                 self._save_holdings(engine)
@@ -731,8 +752,8 @@ class ElasticWorker:
             t0 = time.perf_counter()
             self.losses[step] = engine.train_step(seed=sl.training.seed, step=step)
             if dist.get_rank() == 0:
-                self.store.set(f"loss/{step}", repr(self.losses[step]))
-                self.store.set(f"lr/{step}", repr(float(engine.step_schedule.at(step)["lr"])))
+                self.store.set(loss_key(step), repr(self.losses[step]))
+                self.store.set(lr_key(step), repr(float(engine.step_schedule.at(step)["lr"])))
             self.step_times[step] = time.perf_counter() - t0
             self.train_start_t = min(self.train_start_t, time.time() - self.step_times[step])
             self.train_end_t = time.time()
@@ -748,7 +769,7 @@ class ElasticWorker:
     def _place_logical_workers(
         self,
         engine: RedundantPipelineEngine,
-        assignment: dict[str, list[int]],
+        assignment: Mapping[str, Sequence[int]],
         rebalanced_at: int | None = None,
     ) -> None:
         """Host the logical workers the assignment gives this rank's pipeline. A move made
@@ -760,7 +781,7 @@ class ElasticWorker:
         if rebalanced_at is not None and dist.get_rank() == 0:
             step = rebalanced_at
             self.rebalances.append(
-                {"step": step, "pipelines": [list(self._assignment[p]) for p in sorted(assignment)]}
+                Rebalance(step, tuple(self._assignment[p] for p in sorted(assignment)))
             )
 
     def _logical_worker_done(self, worker: int, seconds: float) -> None:
@@ -809,10 +830,10 @@ class ElasticWorker:
         self.replica_checks += 1
         for _, _, stage, digest in gathered:
             if owners[stage] != digest:
-                self.replica_mismatches.append({"step": step, "stage": stage})
+                self.replica_mismatches.append(ReplicaMismatch(step, stage))
 
     def _should_stop(self, generation: int, step: int) -> bool:
-        key = f"stop/{generation}"
+        key = stop_key(generation)
         if self.store.check([key]):
             return step >= int(self.store.get(key).decode())
         return False
@@ -851,7 +872,7 @@ class ElasticWorker:
         """``stop-checkpoint/<g>``: the job stops at this boundary (a Ctrl-C) and resumes from
         a checkpoint of it. Written here unless the interval wrote it already; waited for, so
         that the coordinator can commit it once the members have reported."""
-        key = f"stop-checkpoint/{generation}"
+        key = stop_checkpoint_key(generation)
         if not self.store.check([key]) or int(self.store.get(key).decode()) != step:
             return
         interval = self.checkpoint_interval
@@ -939,29 +960,9 @@ class ElasticWorker:
                 str(self.output / "model"),
             )
             self.store.set(
-                "final/param_sha256", param_sha256(models.drop_tied_aliases(hf, self.hf_config))
+                FINAL_HASH_KEY, param_sha256(models.drop_tied_aliases(hf, self.hf_config))
             )
         dist.barrier()
-
-
-def _layout_from_json(raw: dict[str, Any]) -> Layout:
-    return Layout(
-        num_stages=raw["num_stages"],
-        num_pipelines=raw["num_pipelines"],
-        groups=tuple(tuple(g) for g in raw["groups"]),
-        slots=tuple(tuple(r) for r in raw["slots"]),
-        standby=tuple(raw["standby"]),
-    )
-
-
-def layout_to_json(layout: Layout) -> dict[str, Any]:
-    return {
-        "num_stages": layout.num_stages,
-        "num_pipelines": layout.num_pipelines,
-        "groups": [list(g) for g in layout.groups],
-        "slots": [list(r) for r in layout.slots],
-        "standby": list(layout.standby),
-    }
 
 
 def main() -> int:
@@ -986,7 +987,7 @@ def main() -> int:
         print(f"spotline: error: {exc}", flush=True)
         if worker is not None:
             try:
-                worker.store.set(f"error/{worker.wid}", f"worker {worker.wid}: {exc}")
+                worker.store.set(error_key(worker.wid), f"worker {worker.wid}: {exc}")
             except Exception:  # the coordinator is gone: nobody to tell
                 pass
         return 2
@@ -1006,7 +1007,7 @@ def main() -> int:
             pass
         if worker is not None:
             try:
-                worker.store.set(f"error/{worker.wid}", f"worker {worker.wid}: {one_line(exc)}")
+                worker.store.set(error_key(worker.wid), f"worker {worker.wid}: {one_line(exc)}")
             except Exception:  # the coordinator is gone: nobody to tell
                 pass
         return 1

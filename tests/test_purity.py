@@ -5,12 +5,13 @@ from __future__ import annotations
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import spotline.plan
 import spotline.sim
 
 PURE = (
-    ["spotline.config", "spotline.errors"]
+    ["spotline.config", "spotline.errors", "spotline.protocol"]
     + [f"spotline.plan.{m.name}" for m in pkgutil.iter_modules(spotline.plan.__path__)]
     + [f"spotline.sim.{m.name}" for m in pkgutil.iter_modules(spotline.sim.__path__)]
     # The simulator's timed sweep, moved out of spotline.sim (it is an entry point), stays pure.
@@ -20,6 +21,7 @@ PURE = (
 
 def test_pure_modules_do_not_import_torch_or_deepspeed() -> None:
     assert "spotline.plan.schedule" in PURE and "spotline.plan.layout" in PURE
+    assert "spotline.plan.policies" in PURE
     code = (
         "import importlib, sys\n"
         f"for name in {PURE!r}:\n"
@@ -28,3 +30,18 @@ def test_pure_modules_do_not_import_torch_or_deepspeed() -> None:
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_typing_folder_links_every_module_of_the_package() -> None:
+    """mypy reads the package through typing/spotline (its import name differs from its
+    folders): a module missing there would silently go unchecked."""
+    repo = Path(__file__).resolve().parents[1]
+    mirror = repo / "typing" / "spotline"
+    expected = {p.name for p in (repo / "integration").iterdir() if p.name != "__pycache__"} | {
+        "launch",
+        "patches",
+    }
+    assert {p.name for p in mirror.iterdir()} == expected
+    for name in expected:
+        target = (repo / "integration" / name) if name not in ("launch", "patches") else repo / name
+        assert (mirror / name).resolve() == target.resolve(), name

@@ -40,8 +40,9 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 
 def pipeline_name(pipeline: int) -> str:
@@ -124,6 +125,26 @@ class Layout:
             return "standby"
         pipeline, _ = self.slot_of(worker)
         return f"p{pipeline}:" + "+".join(f"s{s}" for s in self.stages_of(worker))
+
+    def to_json(self) -> dict[str, Any]:
+        """The layout as JSON (the plans the coordinator publishes carry it)."""
+        return {
+            "num_stages": self.num_stages,
+            "num_pipelines": self.num_pipelines,
+            "groups": [list(g) for g in self.groups],
+            "slots": [list(r) for r in self.slots],
+            "standby": list(self.standby),
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Layout:
+        return cls(
+            num_stages=int(raw["num_stages"]),
+            num_pipelines=int(raw["num_pipelines"]),
+            groups=tuple(tuple(int(s) for s in g) for g in raw["groups"]),
+            slots=tuple(tuple(str(w) for w in r) for r in raw["slots"]),
+            standby=tuple(str(w) for w in raw["standby"]),
+        )
 
 
 @dataclass(frozen=True)

@@ -61,11 +61,13 @@ from spotline.plan.layout import (
     member_holdings,
     plan_generation,
 )
+from spotline.plan.policies import SIM_POLICIES, SIMULATED_RECOVERY, SimPolicyName
 from spotline.plan.traces import Trace, TraceEvent
 from spotline.sim.calibration import Calibration, ModelCalibration
 
-PolicyName = Literal["spotline", "spotline-rigid", "checkpoint-restart", "on-demand"]
-POLICIES: tuple[PolicyName, ...] = ("spotline", "spotline-rigid", "checkpoint-restart", "on-demand")
+# The names are spotline.plan.policies' (one vocabulary with the runtime's recovery modes).
+PolicyName = SimPolicyName
+POLICIES: tuple[PolicyName, ...] = SIM_POLICIES
 
 MIN_CHECKPOINT_INTERVAL_S = 1.0
 """Checkpoint intervals from a rule are at least this (a free checkpoint would otherwise
@@ -796,7 +798,8 @@ def simulate(
     if batches is None:
         batches = membership_batches(trace, calibration.node_ready_s)
     cost_usd = spot_cost_usd(trace, calibration.spot_price_per_node_hour)
-    if policy == "checkpoint-restart":
+    recovery = SIMULATED_RECOVERY.get(policy)
+    if recovery == "checkpoint-restart":
         interval = config.checkpoint_interval_s
         if interval is None:
             interval = young_daly_interval_s(config.model.checkpoint_save_s, trace_mtbf_s(trace))
@@ -808,7 +811,7 @@ def simulate(
             cost_usd=cost_usd,
             policy="checkpoint-restart",
         )
-    if policy in ("spotline", "spotline-rigid"):
+    if recovery == "failover":
         return _simulate_spotline(
             trace, batches, config, elastic=policy == "spotline", cost_usd=cost_usd
         )

@@ -1,0 +1,47 @@
+"""The names of the recovery policies: one vocabulary for the runtime and the simulator.
+
+A recovery policy decides what the job does when a worker that trains is lost:
+
+``failover``
+    Bamboo's in-memory takeover: the survivors keep their state, the planner
+    (:func:`spotline.plan.layout.plan_generation`) places the lost stages on the workers that
+    hold their replicas, and only a fatal loss (a stage no survivor holds) reads the last
+    checkpoint. The runtime's default (``spotline.recovery.mode``).
+``checkpoint-restart``
+    The baseline: every worker is replaced and the job restarts from the last checkpoint.
+
+The runtime runs a policy by this name (``spotline.launch.control.recovery``); the simulator
+(:mod:`spotline.sim.engine`) names its policies after the system that runs them: ``spotline``
+(failover with elastic logical workers, what the runtime does), ``spotline-rigid`` (failover
+with data parallelism fixed to the configured pipelines), ``checkpoint-restart``, and the
+``on-demand`` baseline, which is no recovery policy (it is never preempted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Literal, get_args
+
+Failover = Literal["failover"]
+CheckpointRestart = Literal["checkpoint-restart"]
+RecoveryMode = Literal[Failover, CheckpointRestart]
+RECOVERY_MODES: tuple[RecoveryMode, ...] = get_args(RecoveryMode)
+
+SimPolicyName = Literal["spotline", "spotline-rigid", CheckpointRestart, "on-demand"]
+"""The simulator's policies (see the module docstring)."""
+SIM_POLICIES: tuple[SimPolicyName, ...] = (
+    "spotline",
+    "spotline-rigid",
+    "checkpoint-restart",
+    "on-demand",
+)
+
+SIMULATED_RECOVERY: Mapping[SimPolicyName, RecoveryMode] = MappingProxyType(
+    {
+        "spotline": "failover",
+        "spotline-rigid": "failover",
+        "checkpoint-restart": "checkpoint-restart",
+    }
+)
+"""The recovery policy each simulated policy runs (``on-demand`` has none: no preemptions)."""

@@ -1,0 +1,112 @@
+"""Checkpoint commits: the coordinator's half of the job's checkpoints.
+
+Workers write each stage's file of a checkpoint (pipeline 0, in a background thread); the
+coordinator commits a step (writes its manifest, with the losses and learning rates of the
+steps before it, so that a resumed run's summary has every step) once every stage's file is
+there. A worker that cannot write a file says so in the store
+(:class:`~spotline.protocol.CheckpointWriteError` under ``checkpoint-error/<n>``); such a
+step is never committed, and ``checkpoints.on_write_error`` decides whether the job stops
+(:class:`~spotline.launch.control.supervisor.JobError`) or trains on without it.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from spotline.config import RunConfig
+from spotline.launch.control.metrics import RunMetrics
+from spotline.launch.control.supervisor import JobError
+from spotline.protocol import CheckpointWriteError, Store, checkpoint_error_key
+
+
+class CheckpointCommits:
+    """Which checkpoints are due, written, committed or failed."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        store: Store,
+        metrics: RunMetrics,
+        output: Path,
+        *,
+        interval_steps: int,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.metrics = metrics
+        self.root = cfg.checkpoint_root(output)
+        self.interval_steps = interval_steps
+        self.committed: set[int] = set()
+        self.failed: set[int] = set()  # steps with a file that failed: never committed
+        self.extra: set[int] = set()  # checkpoints written off the interval (a stop)
+        self.errors_seen = 0  # checkpoint-error/<n> keys read
+
+    def poll_errors(self) -> None:
+        """Report each checkpoint file a worker could not write, at once, on one line."""
+        while self.store.check([checkpoint_error_key(self.errors_seen + 1)]):
+            self.errors_seen += 1
+            key = checkpoint_error_key(self.errors_seen)
+            self.write_failed(CheckpointWriteError.decode(self.store.get(key)))
+
+    def write_failed(self, entry: CheckpointWriteError) -> None:
+        """Every failed file goes into the summary; the terminal hears once per step."""
+        self.metrics.checkpoint_write_errors.append(entry)
+        step = entry.step
+        if step in self.failed:
+            return
+        self.failed.add(step)
+        line = f"checkpoint of step {step} not written: {entry.path}: {entry.error}"
+        if self.cfg.spotline.checkpoints.on_write_error == "stop":
+            raise JobError(line)
+        print(
+            f"spotline: warning: {line}; training goes on without it "
+            '(checkpoints.on_write_error "continue")',
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def commit(self, last: int) -> None:
+        """Commit every due checkpoint whose files are all there: the interval's up to step
+        ``last`` and any written off it."""
+        interval = self.interval_steps
+        due = set(self.extra)
+        if interval > 0:
+            due.update(range(interval, last + 1, interval))
+        due -= self.committed | self.failed
+        if not due:
+            return
+        # Lazily: spotline.checkpoint reads and writes tensors (torch), a commit does not.
+        from spotline.checkpoint import CheckpointWriter, step_dir
+
+        writer = CheckpointWriter(self.root, self.cfg.spotline.checkpoints.keep)
+        labels = [f"stage-{s}" for s in range(self.cfg.num_stages)]
+        for step in sorted(due):
+            directory = step_dir(self.root, step)
+            if not all((directory / f"{label}.meta.json").exists() for label in labels):
+                continue  # not written yet (commit would say so, after the losses' lookups)
+            # Rank 0 stores a step's loss before its own checkpoint file: every loss before
+            # ``step`` is in the store once the files are. Kept with the checkpoint, so
+            # that a resumed run's summary has every step's loss.
+            self.metrics.collect_step_values(step)
+            metadata = {
+                name: {str(s): values[s] for s in range(step) if s in values}
+                for name, values in (
+                    ("losses", self.metrics.losses),
+                    ("learning_rates", self.metrics.learning_rates),
+                )
+            }
+            try:
+                if writer.commit(step, labels, metadata=metadata):
+                    self.committed.add(step)
+            except OSError as exc:
+                path = step_dir(self.root, step) / "MANIFEST.json"
+                self.write_failed(CheckpointWriteError(step, str(path), str(exc), "coordinator"))
+
+    def latest(self) -> int | None:
+        """The newest complete checkpoint on disk (None: none)."""
+        if not self.root.exists():
+            return None
+        from spotline.checkpoint import latest_complete
+
+        return latest_complete(self.root)

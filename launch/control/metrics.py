@@ -1,0 +1,324 @@
+"""Run metrics: what the coordinator counts and records, and the run's summary.
+
+:class:`RunMetrics` holds the run's counters (preemptions, recoveries, checkpoint
+fallbacks, steps redone), its events and timeline (``spotline.report``), the per-step
+losses, learning rates and step times, and what each worker measured (its last
+:class:`~spotline.protocol.Report`). It prints the progress lines (a line every tenth of the
+run) and builds ``summary.json`` (:meth:`RunMetrics.summary`) and the wandb log.
+
+What the timeline needs of the job at each event (the step reached, the live workers and
+what each does) comes from a ``snapshot`` callable the coordinator gives it (called only
+once the run has started).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spotline.config import RunConfig
+from spotline.plan.layout import Layout
+from spotline.protocol import (
+    FINAL_HASH_KEY,
+    CheckpointWriteError,
+    Report,
+    Store,
+    WorkerStats,
+    loss_key,
+    lr_key,
+)
+from spotline.report import Timeline, summarize_recoveries
+
+THROUGHPUT_EVERY_S = 1.0
+
+Snapshot = Callable[[], tuple[int, int, Mapping[str, str]]]
+"""(the step reached, live workers, placement: worker -> what it runs) at this moment."""
+
+
+@dataclass(frozen=True)
+class Event:
+    t_s: float
+    kind: str
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+
+class RunMetrics:
+    """Counters, events, timeline, per-step values and per-worker measurements of one run."""
+
+    def __init__(
+        self, cfg: RunConfig, store: Store, *, snapshot: Snapshot, t0: float | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.t0 = time.monotonic() if t0 is None else t0  # the run's clock (monotonic)
+        self.snapshot = snapshot
+        self.events: list[Event] = []
+        self.timeline = Timeline()
+        self.preemptions = 0
+        self.recoveries = 0
+        self.fallbacks = 0
+        self.steps_redone = 0
+        # When the loss being recovered from happened (None: none pending).
+        self.pending_failure_t: float | None = None
+        self.recovery_events: list[dict[str, Any]] = []
+        self.reconfigurations: list[dict[str, Any]] = []  # generation changes without a failure
+        self.placements: list[dict[str, Any]] = []  # per generation: pipelines' logical workers
+        self.losses: dict[int, float] = {}
+        self.learning_rates: dict[int, float] = {}
+        self.step_times: dict[int, float] = {}
+        self.peaks: dict[str, float] = {}
+        self.worker_stats: dict[str, WorkerStats] = {}
+        self.checkpoint_write_errors: list[CheckpointWriteError] = []
+        self.first_step_t: float | None = None  # monotonic time a first step was seen started
+        self.shown_progress = 0
+        self.rate_mark: tuple[float, int] | None = None  # (time, step) of the last rate row
+        self.best_progress = 0  # the furthest step ever started: redone steps are not new
+
+    # -- time and events --------------------------------------------------------------
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def event(self, kind: str, **detail: Any) -> None:
+        """Record an event (events list, timeline row) and print it on stderr."""
+        progress, live, placement = self.snapshot()
+        self.events.append(Event(self.now(), kind, detail))
+        self.timeline.record(
+            self.now(),
+            kind,
+            progress,
+            live,
+            placement,
+            None,
+            ";".join(f"{k}:{v}" for k, v in detail.items()).replace("=", ":"),
+        )
+        print(
+            f"spotline: [{self.now():7.2f}s] {kind} {detail if detail else ''}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def note_preemption(self) -> None:
+        """A worker was preempted: counted, and the recovery clock starts (if not running)."""
+        self.preemptions += 1
+        self.pending_failure_t = self.pending_failure_t or self.now()
+
+    def recovered(
+        self, generation: int, resume_step: int, seconds: float, *, in_memory: bool
+    ) -> None:
+        self.recovery_events.append(
+            {
+                "generation": generation,
+                "resume_step": resume_step,
+                "recovery_s": seconds,
+                # A takeover from replicas in memory, or a restore from a checkpoint.
+                "in_memory": in_memory,
+            }
+        )
+        self.event("recovered", generation=generation, seconds=round(seconds, 3))
+
+    def reconfigured(self, generation: int, resume_step: int, seconds: float) -> None:
+        self.reconfigurations.append(
+            {"generation": generation, "resume_step": resume_step, "reconfigure_s": seconds}
+        )
+        self.event("reconfigured", generation=generation, seconds=round(seconds, 3))
+
+    # -- what workers say --------------------------------------------------------------
+    def take_report(self, report: Report) -> None:
+        """A worker's end-of-generation report: its losses, step times and measurements."""
+        self.losses.update(report.losses)
+        self.step_times.update(report.step_times)
+        w = report.worker
+        self.peaks[w] = max(self.peaks.get(w, 0.0), report.peak_rss_mib)
+        self.worker_stats[w] = report.stats
+
+    def collect_step_values(self, steps: int, *, refresh: bool = False) -> None:
+        """Read the loss and learning rate of steps ``0..steps-1`` from the store.
+
+        Rank 0 of each generation writes them as it goes (a worker killed later cannot take
+        them along); a redone step writes the same values again. Without ``refresh`` a
+        step already read is not read again."""
+        for s in range(steps):
+            for key, values in ((loss_key(s), self.losses), (lr_key(s), self.learning_rates)):
+                if (refresh or s not in values) and self.store.check([key]):
+                    values[s] = float(self.store.get(key).decode())
+
+    # -- live output ---------------------------------------------------------------------
+    def record_throughput(self) -> None:
+        """A timeline row of committed samples/s every ``THROUGHPUT_EVERY_S`` (0 while the
+        job waits or redoes steps it had already trained: they add nothing new)."""
+        now = self.now()
+        if self.rate_mark is None:
+            self.rate_mark = (now, self.snapshot()[0])
+            return
+        since, step = self.rate_mark
+        if now - since < THROUGHPUT_EVERY_S:
+            return
+        reached, live, placement = self.snapshot()
+        new_steps = max(0, reached - max(step, self.best_progress))
+        self.best_progress = max(self.best_progress, reached, step)
+        samples = new_steps * self.cfg.samples_per_step
+        self.timeline.record(
+            now, "throughput", reached, live, placement, samples / (now - since), ""
+        )
+        self.rate_mark = (now, reached)
+
+    def show_progress(self, done: int) -> None:
+        """A line every tenth of the run, with its loss (the coordinator is the one process at
+        the terminal, and the only one that prints progress). ``done``: steps committed."""
+        if not self.cfg.spotline.tracking.progress:
+            return
+        steps = self.cfg.spotline.training.steps
+        tenth = max(1, steps // 10)
+        mark = steps if done >= steps else done - done % tenth  # the last step always shows
+        if mark <= self.shown_progress:
+            return
+        key = loss_key(mark - 1)
+        if not self.store.check([key]):
+            return  # rank 0 writes the loss just after the step: the next poll shows it
+        self.shown_progress = mark
+        loss = float(self.store.get(key).decode())
+        print(f"spotline: step {mark}/{steps} loss {loss:.4f}", file=sys.stderr, flush=True)
+
+    # -- the end -------------------------------------------------------------------------
+    def train_wall_s(self, fallback_s: float) -> float:
+        """Training time from the workers' clocks: first step start to last step end
+        (recoveries included, start-up and the final export excluded); ``fallback_s`` when
+        no worker measured it."""
+        starts = [st.train_start_t for st in self.worker_stats.values() if st.train_start_t]
+        ends = [st.train_end_t for st in self.worker_stats.values() if st.train_end_t]
+        return max(ends) - min(starts) if starts and ends else fallback_s
+
+    def summary(
+        self,
+        *,
+        wall: float,
+        train_wall_s: float,
+        layout: Layout | None,
+        generations: int,
+        checkpoint_interval_steps: int,
+        resumed_from_step: int | None,
+    ) -> dict[str, Any]:
+        """The run's ``summary.json`` (also writes ``timeline.csv`` and ``timeline.png``)."""
+        cfg, sl = self.cfg, self.cfg.spotline
+        losses, learning_rates = self._final_values()
+        steps = sl.training.steps
+        param_hash = (
+            self.store.get(FINAL_HASH_KEY).decode() if self.store.check([FINAL_HASH_KEY]) else None
+        )
+        samples = steps * cfg.samples_per_step
+        rec = summarize_recoveries(self.timeline.rows)
+        times = sorted(self.step_times.values())
+        # Per-rank figures in the rank order of the last layout (the workers that finished).
+        ranked = list(layout.members) if layout is not None else sorted(self.worker_stats)
+        stats = [self.worker_stats.get(w, WorkerStats()) for w in ranked]
+        mismatches = [
+            m.to_json() for st in self.worker_stats.values() for m in st.replica_mismatches
+        ]
+        return {
+            "steps": steps,
+            "losses": losses,
+            "learning_rates": learning_rates,
+            "final_loss": losses[-1],
+            # Committed samples per second of training (first step to last, recoveries
+            # included): the goodput. wall_s also counts process start-up.
+            "samples_per_s": samples / train_wall_s,
+            "goodput_samples_per_s": samples / train_wall_s,
+            "train_wall_s": train_wall_s,
+            "wall_s": wall,
+            "step_time_s": times[len(times) // 2] if times else None,
+            # Each step's time as its last run measured it (None: never reported).
+            "step_times_s": [self.step_times.get(s) for s in range(steps)],
+            "workers": cfg.num_workers,
+            "stages": cfg.num_stages,
+            "pipelines": cfg.num_physical_pipelines,
+            "logical_workers": cfg.num_pipelines,
+            # Which physical pipeline (its workers) ran which logical pipelines, per generation,
+            # and the moves the workers made as they measured speeds (step, per pipeline).
+            "logical_placements": self.placements,
+            "logical_rebalances": [
+                json.loads(text)
+                for text in sorted(
+                    {
+                        json.dumps(entry.to_json(), sort_keys=True)
+                        for st in self.worker_stats.values()
+                        for entry in st.rebalances
+                    }
+                )
+            ],
+            "micro_batch_size": cfg.micro_batch_size,
+            "micro_batches": cfg.num_micro_batches,
+            "model": sl.model.name,
+            "seed": sl.training.seed,
+            "deterministic": sl.determinism.enabled,
+            "redundancy": sl.redundancy.mode,
+            "recovery_mode": sl.recovery.mode,
+            "checkpoint_interval_steps": checkpoint_interval_steps,
+            "checkpoint_write_errors": [e.to_json() for e in self.checkpoint_write_errors],
+            "resumed_from_step": resumed_from_step,
+            "param_sha256": param_hash,
+            "peak_rss_mib_per_worker": self.peaks,
+            "peak_rss_mib_per_rank": [self.peaks.get(w, 0.0) for w in ranked],
+            "redundant_compute_s_per_rank": [st.redundant_compute_s for st in stats],
+            "replica_sync_s_per_rank": [st.replica_sync_s for st in stats],
+            "replica_checks": max((st.replica_checks for st in stats), default=0),
+            "replica_mismatches": mismatches,
+            "preemptions": self.preemptions,
+            "recoveries": self.recoveries,
+            "checkpoint_fallbacks": self.fallbacks,
+            "steps_redone": self.steps_redone,
+            "recovery_events": self.recovery_events,
+            "reconfigurations": self.reconfigurations,
+            "recovery_summary": rec,
+            "generations": generations,
+            "events": [{"t_s": round(e.t_s, 3), "kind": e.kind, **e.detail} for e in self.events],
+        }
+
+    def _final_values(self) -> tuple[list[float | None], list[float | None]]:
+        steps = self.cfg.spotline.training.steps
+        self.collect_step_values(steps, refresh=True)
+        # A step committed while its loss was being aggregated has no reported loss (None).
+        return (
+            [self.losses.get(s) for s in range(steps)],
+            [self.learning_rates.get(s) for s in range(steps)],
+        )
+
+    def write_timeline(self, output: Path) -> None:
+        self.timeline.write_csv(output / "timeline.csv")
+        try:
+            self.timeline.plot_png(
+                output / "timeline.png", f"spotline: {self.cfg.spotline.model.name}"
+            )
+        except Exception as exc:  # a plot is a convenience; never fail a finished run on it
+            print(f"spotline: timeline plot skipped: {exc}", file=sys.stderr)
+
+    def log_to_wandb(self, summary: dict[str, Any], output: Path) -> None:
+        """Per-step losses and the recovery events, to wandb (offline unless configured)."""
+        tracking = self.cfg.spotline.tracking
+        if tracking.wandb == "disabled":
+            return
+        from spotline.tracking import Tracker
+
+        tracker = Tracker(
+            # Progress was shown live by show_progress; replaying the steps into wandb
+            # must not print every line a second time.
+            dataclasses.replace(tracking, progress=False),
+            enabled=True,
+            output_dir=output,
+            total_steps=len(summary["losses"]),
+            run_config=self.cfg.to_json(),
+        )
+        for step, (loss, lr) in enumerate(
+            zip(summary["losses"], summary["learning_rates"], strict=True)
+        ):
+            if loss is not None:
+                metrics = {"loss": loss, "step_time_s": self.step_times.get(step, 0.0)}
+                tracker.log_step(step, metrics if lr is None else {**metrics, "lr": lr})
+        for event in summary["events"]:
+            tracker.log_event(event["kind"], {k: v for k, v in event.items() if k != "kind"})
+        tracker.finish(summary)

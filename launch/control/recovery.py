@@ -1,0 +1,381 @@
+"""From the live workers' reports to the next generation's plan, and the recovery policies.
+
+:class:`Planner` holds what the coordinator has told the workers (the current layout, the
+step it resumes from, which workers have been given an entry generation) and publishes each
+generation's :class:`~spotline.protocol.Plan`:
+
+- :meth:`Planner.replan`: the committed step and a layout from what the workers hold
+  (:func:`spotline.plan.layout.plan_generation`), state moved in memory; a first start if
+  nothing was trained yet; a fatal loss (a stage held by nobody) reads the last checkpoint.
+- :meth:`Planner.restore`: every member reads the last complete checkpoint (or starts
+  over from step 0 without one).
+- :meth:`Planner.restart_all`: every worker is replaced, then :meth:`Planner.restore`.
+
+A recovery policy (:class:`RecoveryPolicy`) decides what a *failure* (a member lost) leads to,
+and the checkpoint interval it needs; arrivals and departures at a step boundary are a
+:meth:`Planner.replan` whatever the policy. The policies are keyed by the names of
+:mod:`spotline.plan.policies`, which the simulator shares. A new policy is one new subclass
+added to :data:`POLICIES` (and its name to that vocabulary).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import ClassVar, Protocol
+
+from spotline.config import RunConfig
+from spotline.launch.control.checkpoints import CheckpointCommits
+from spotline.launch.control.metrics import RunMetrics
+from spotline.launch.control.supervisor import Supervisor
+from spotline.plan.layout import (
+    FatalLoss,
+    GenerationPlan,
+    Layout,
+    WorkerReport,
+    choose_layout,
+    pipeline_name,
+    plan_generation,
+)
+from spotline.plan.logical import assign_logical_workers, worth_moving
+from spotline.plan.policies import CheckpointRestart, Failover, RecoveryMode
+from spotline.protocol import Plan, PlanAction, Store, entry_key, plan_key, report_key
+
+POLL_S = 0.02
+RECOVERY_WAIT_S = 120  # longest wait for a first committed step after a change
+
+
+class Conductor(Protocol):
+    """What the planner reads of the coordinator's generation loop, and asks of it."""
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def generation_end_t(self) -> float | None:
+        """When the last generation's first member reported (None: not yet ended)."""
+        ...
+
+    def max_progress(self) -> int: ...
+
+    def wait_for_joiners(self) -> list[str]:
+        """Block until a started worker has joined (or raise: none can come)."""
+        ...
+
+    def stop_keys(self, generation: int) -> None:
+        """Tell ``generation`` where a requested stop is, before its plan is published."""
+        ...
+
+
+class Planner:
+    """The plans of one job: what was published, and how the next one is chosen."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        store: Store,
+        supervisor: Supervisor,
+        metrics: RunMetrics,
+        checkpoints: CheckpointCommits,
+        conductor: Conductor,
+    ) -> None:
+        self.cfg = cfg
+        self.store = store
+        self.supervisor = supervisor
+        self.metrics = metrics
+        self.checkpoints = checkpoints
+        self.conductor = conductor
+        self.layout: Layout | None = None
+        self.resume_step = 0
+        self.included: set[str] = set()  # workers given an entry generation
+
+    # -- publishing ---------------------------------------------------------------------------
+    def include(self, wid: str, generation: int) -> None:
+        """Tell a worker the first generation it reads (it is in that plan, or standby)."""
+        self.included.add(wid)
+        self.store.set(entry_key(wid), str(generation))
+
+    def members(self) -> list[str]:
+        return [] if self.layout is None else list(self.layout.members)
+
+    def publish(self, generation: int, plan: Plan) -> None:
+        if plan.action != "finish":
+            self.conductor.stop_keys(generation)  # a stop chosen earlier holds for this one too
+        self.store.set(plan_key(generation), plan.encode())
+
+    def plan(
+        self,
+        action: PlanAction,
+        layout: Layout | None,
+        resume: int,
+        holders: Mapping[int, Sequence[str]],
+        sources: Sequence[tuple[int, str]],
+        *,
+        checkpoint_step: int | None = None,
+    ) -> Plan:
+        return Plan(
+            action=action,
+            layout=layout,
+            logical=self._logical_assignment(layout),
+            resume_step=resume,
+            holders={s: tuple(ws) for s, ws in holders.items()},
+            sources=tuple(sources),
+            checkpoint_interval=self.checkpoints.interval_steps,
+            checkpoint_step=checkpoint_step,
+        )
+
+    def _logical_assignment(self, layout: Layout | None) -> dict[str, tuple[int, ...]] | None:
+        """Which logical pipelines each physical pipeline of ``layout`` runs, in proportion to
+        the speeds its members measured (a pipeline is as fast as its slowest member; one
+        never measured counts as the median). Nothing moves with them but their ids: every
+        pipeline holds all the state of its stages. The workers rebalance as they measure."""
+        if layout is None:
+            return None
+        seconds: dict[str, float] = {}
+        for w, stats in self.metrics.worker_stats.items():
+            measured = stats.seconds_per_logical_worker
+            if measured:
+                seconds[w] = float(measured)
+        known = sorted(seconds.values())
+        typical = known[len(known) // 2] if known else 1.0
+        speeds = {
+            pipeline_name(p): 1.0 / max(seconds.get(w, typical) for w in row)
+            for p, row in enumerate(layout.slots)
+        }
+        even = assign_logical_workers(self.cfg.num_pipelines, dict.fromkeys(speeds, 1.0))
+        assignment = assign_logical_workers(self.cfg.num_pipelines, speeds)
+        if not worth_moving(even, assignment, speeds):
+            # Measurements are noisy: an even split unless speeds clearly differ.
+            assignment = even
+        self.metrics.placements.append(
+            {
+                "generation": self.conductor.generation,
+                "pipelines": [
+                    {"workers": list(row), "logical_workers": list(assignment[pipeline_name(p)])}
+                    for p, row in enumerate(layout.slots)
+                ],
+            }
+        )
+        return {p: tuple(ws) for p, ws in assignment.items()}
+
+    # -- the next generation ----------------------------------------------------------------
+    def replan(
+        self, reports: list[WorkerReport], *, failure: bool, reached: int, ready_t: float
+    ) -> None:
+        """Plan generation ``conductor.generation`` from what the live workers hold.
+
+        ``reached``: the step in flight when the last generation ended; ``ready_t``: when
+        everyone had stopped (a change without a failure is timed from there)."""
+        S, P = self.cfg.num_stages, self.cfg.num_pipelines
+        g = self.conductor.generation
+        result: GenerationPlan | FatalLoss = plan_generation(g, S, P, reports, elastic=True)
+        never_trained = (
+            self.resume_step == 0
+            and not any(r.holdings for r in reports)
+            and not self.checkpoints.committed
+        )
+        if isinstance(result, FatalLoss) and never_trained:
+            # Nothing was trained yet: every worker builds the initial weights itself.
+            layout = choose_layout(S, P, reports, usable={}, elastic=True)
+            self._include_all(reports, g)
+            self.layout = layout
+            self.publish(g, self.plan("train", layout, 0, {}, []))
+            self.metrics.event("plan", generation=g, stages="fresh start" if layout else "waiting")
+            if layout is None:
+                self.conductor.wait_for_joiners()
+            return
+        if isinstance(result, FatalLoss):
+            self.metrics.event("fatal-loss", stages=list(result.lost_stages))
+            self.restore(reports, g, reached)
+            return
+        layout = result.layout
+        self._include_all(reports, g)
+        holders: dict[int, list[str]] = {s: [] for s in range(S)}
+        for r in reports:
+            for h in r.holdings:
+                if h.version == result.resume_step or (
+                    h.version == result.resume_step - 1 and h.ready
+                ):
+                    holders[h.stage].append(r.worker)
+        if layout is None:
+            self.metrics.event("waiting-for-workers", live=len(reports))
+            self.layout = None
+            self.publish(g, self.plan("train", None, result.resume_step, holders, ()))
+            # Nothing trains until a worker arrives and joins: wait for one.
+            self.conductor.wait_for_joiners()
+            return
+        if failure:
+            self.metrics.steps_redone += max(0, reached - result.resume_step)
+        self.layout = layout
+        self.resume_step = result.resume_step
+        self.publish(g, self.plan("train", layout, result.resume_step, holders, result.sources))
+        self.metrics.event(
+            "plan",
+            generation=g,
+            stages="/".join("+".join(map(str, gr)) for gr in layout.groups),
+            resume=result.resume_step,
+        )
+        generation_end_t = self.conductor.generation_end_t
+        if failure:
+            self.metrics.recoveries += 1
+            started = self.metrics.pending_failure_t or self.metrics.now()
+            self._await_recovered(g, started)
+        elif generation_end_t is not None:
+            self._await_recovered(g, max(ready_t, generation_end_t), failure=False)
+        self.metrics.pending_failure_t = None
+
+    def _include_all(self, reports: list[WorkerReport], generation: int) -> None:
+        for r in reports:
+            if r.worker not in self.included:
+                self.include(r.worker, generation)
+
+    def _await_recovered(
+        self, g: int, started: float, *, failure: bool = True, in_memory: bool = True
+    ) -> None:
+        """Recovery time: from the preemption to the first step committed after it. For a
+        change without a failure (an arrival, a departure at a boundary): from the end of
+        the last generation to the first step the new one commits."""
+        target = self.resume_step + 1
+        deadline = time.monotonic() + RECOVERY_WAIT_S
+        while time.monotonic() < deadline:
+            died = self.supervisor.poll()
+            if died:
+                break
+            if self.conductor.max_progress() >= target or all(
+                self.store.check([report_key(g, w)]) for w in self.members()
+            ):
+                break
+            time.sleep(POLL_S)
+        seconds = self.metrics.now() - started
+        if not failure:
+            self.metrics.reconfigured(g, self.resume_step, seconds)
+            return
+        self.metrics.recovered(g, self.resume_step, seconds, in_memory=in_memory)
+
+    def restore(self, reports: list[WorkerReport], g: int, reached: int = 0) -> None:
+        """Every member reads the last complete checkpoint (a fatal loss, a restart)."""
+        step = self.checkpoints.latest()
+        S, P = self.cfg.num_stages, self.cfg.num_pipelines
+        everyone = [WorkerReport(r.worker, (), r.previous_slot) for r in reports]
+        self._include_all(reports, g)
+        if not everyone:
+            self.layout = None
+            # Without a checkpoint resume_step stays where training was, so that once workers
+            # arrive this is a restart from scratch (steps redone counted), not a first start.
+            if step is not None:
+                self.resume_step = step
+            self.publish(g, self.plan("train", None, self.resume_step, {}, ()))
+            return
+        if step is None:
+            # No checkpoint yet: the only consistent state is the start.
+            layout = choose_layout(S, P, everyone, usable={}, elastic=True)
+            self.metrics.steps_redone += reached
+            self.layout, self.resume_step = layout, 0
+            self.publish(g, self.plan("train", layout, 0, {}, []))
+            # Counted where a layout is published: a total loss with nobody left to restore
+            # onto comes back here once workers have arrived, and is one fallback.
+            self.metrics.fallbacks += 1
+            self.metrics.event("restart-from-scratch")
+            if layout is None:
+                self.conductor.wait_for_joiners()
+                return
+        else:
+            usable = {s: [r.worker for r in reports] for s in range(S)}
+            layout = choose_layout(S, P, everyone, usable=usable, elastic=True)
+            self.metrics.steps_redone += max(0, reached - step)
+            self.layout, self.resume_step = layout, step
+            holders = {s: list(usable[s]) for s in range(S)}
+            sources = [(s, layout.members[0]) for s in range(S)] if layout else []
+            self.publish(
+                g, self.plan("restore", layout, step, holders, sources, checkpoint_step=step)
+            )
+            self.metrics.fallbacks += 1
+            self.metrics.event("checkpoint-fallback", step=step)
+            if layout is None:
+                self.conductor.wait_for_joiners()
+                return
+        self._await_recovered(
+            g, self.metrics.pending_failure_t or self.metrics.now(), in_memory=False
+        )
+        self.metrics.pending_failure_t = None
+
+    def restart_all(self, reports: list[WorkerReport], reached: int) -> None:
+        """Every surviving worker is replaced by a fresh one, which reads the checkpoint."""
+        survivors = [r.worker for r in reports]
+        for w in survivors:
+            self.supervisor.kill(w, "restarted")
+        for w in survivors:
+            self.supervisor[w].proc.wait()
+            self.supervisor[w].alive = False
+        g = self.conductor.generation
+        fresh = []
+        for _ in survivors:
+            wid = self.supervisor.spawn()
+            self.include(wid, g)
+            fresh.append(wid)
+        self.metrics.event("restart-all", workers=len(fresh))
+        self.restore([WorkerReport(w) for w in fresh], g, reached)
+
+
+# -- recovery policies ---------------------------------------------------------------------
+
+
+class RecoveryPolicy(ABC):
+    """What a failure (a member lost) leads to, and the checkpoint interval it needs."""
+
+    name: ClassVar[RecoveryMode]
+
+    def checkpoint_interval(self, cfg: RunConfig, mtbf_s: float | None) -> int:
+        """Steps between checkpoints (0: none); ``mtbf_s``: wall seconds between the
+        preemptions this run expects (None: none)."""
+        return cfg.spotline.checkpoints.interval_steps
+
+    @abstractmethod
+    def recover(
+        self, planner: Planner, reports: list[WorkerReport], *, reached: int, ready_t: float
+    ) -> None:
+        """Plan the generation after a failure, from the survivors' reports."""
+
+
+class FailoverPolicy(RecoveryPolicy):
+    """Bamboo's takeover in memory; a fatal loss reads the last checkpoint."""
+
+    name: ClassVar[Failover] = "failover"
+
+    def recover(
+        self, planner: Planner, reports: list[WorkerReport], *, reached: int, ready_t: float
+    ) -> None:
+        planner.replan(reports, failure=True, reached=reached, ready_t=ready_t)
+
+
+class CheckpointRestartPolicy(RecoveryPolicy):
+    """The baseline: every worker is replaced and reads the last checkpoint, written at the
+    Young/Daly interval unless one is given."""
+
+    name: ClassVar[CheckpointRestart] = "checkpoint-restart"
+
+    def checkpoint_interval(self, cfg: RunConfig, mtbf_s: float | None) -> int:
+        """Given, or Young/Daly: sqrt(2 * checkpoint cost * MTBF), in steps."""
+        given = cfg.spotline.checkpoints.interval_steps
+        if given > 0:
+            return given
+        if mtbf_s is None:
+            return 0
+        # Lazily: spotline.checkpoint reads and writes tensors (torch); this is arithmetic.
+        from spotline.checkpoint import interval_steps
+
+        rec = cfg.spotline.recovery
+        return interval_steps(rec.step_time_estimate_s, rec.checkpoint_cost_s, max(mtbf_s, 1e-3))
+
+    def recover(
+        self, planner: Planner, reports: list[WorkerReport], *, reached: int, ready_t: float
+    ) -> None:
+        planner.restart_all(reports, reached)
+
+
+POLICIES: Mapping[RecoveryMode, RecoveryPolicy] = MappingProxyType(
+    {policy.name: policy for policy in (FailoverPolicy(), CheckpointRestartPolicy())}
+)
+"""The runtime's recovery policies by name (``spotline.recovery.mode``)."""

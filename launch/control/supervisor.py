@@ -1,0 +1,201 @@
+"""Process supervision: the worker processes the coordinator started, and what became of them.
+
+A worker is started with :meth:`Supervisor.spawn` (``python -m spotline.elastic``, in its own
+session so that a Ctrl-C at the terminal reaches the coordinator only), polled for exit
+(:meth:`Supervisor.poll`), watched by heartbeat (:meth:`Supervisor.check_heartbeats`),
+signalled (:meth:`Supervisor.preempt`: a kill or a SIGTERM notice) and stopped
+(:meth:`Supervisor.shutdown`, :meth:`Supervisor.wait_all`). A worker that exits with an
+error it told the store (``error/<w>``) stops the job (:class:`JobError`): an error is not a
+preemption, and redoing the work would only repeat it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from spotline.launch.control.metrics import RunMetrics
+from spotline.protocol import Store, error_key, heartbeat_key, joined_key
+
+Fate = Literal["running", "killed", "terminated", "left", "exited", "crashed", "restarted"]
+SIGNALLED = (0, -signal.SIGKILL, -signal.SIGTERM)  # exit codes that are no worker error
+
+
+class JobError(RuntimeError):
+    """The job cannot go on (a worker's error, a checkpoint that could not be written)."""
+
+
+@dataclass
+class WorkerProc:
+    wid: str
+    proc: subprocess.Popen[bytes]
+    started: float
+    alive: bool = True
+    fate: Fate = "running"
+    # Started ahead of a trace arrival (recovery.warm_workers): not a node of the trace until
+    # an arrival takes it, so it is neither counted, preempted nor planned before then.
+    warm: bool = False
+
+
+class Supervisor:
+    """The worker processes of one job (ids ``w0``, ``w1``, ... in start order)."""
+
+    def __init__(
+        self,
+        store: Store,
+        metrics: RunMetrics,
+        *,
+        config_path: Path,
+        output: Path,
+        store_arg: str,
+        env: dict[str, str],
+    ) -> None:
+        self.store = store
+        self.metrics = metrics
+        self.config_path = config_path
+        self.output = output
+        self.store_arg = store_arg
+        self.env = env
+        self.workers: dict[str, WorkerProc] = {}
+        self.next_index = 0  # also the number of workers ever started
+
+    def spawn(self, *, warm: bool = False) -> str:
+        """Start a worker process; returns its id."""
+        wid = f"w{self.next_index}"
+        self.next_index += 1
+        logs = self.output / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log = open(logs / f"{wid}.log", "ab")  # noqa: SIM115 - handed to the child
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "spotline.elastic",
+                "--config",
+                str(self.config_path),
+                "--output",
+                str(self.output),
+                "--worker-id",
+                wid,
+                "--store",
+                self.store_arg,
+            ],
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            # Its own session (so its own process group): a Ctrl-C at the terminal reaches the
+            # coordinator only, which decides how the workers stop (no KeyboardInterrupt
+            # tracebacks in them). Not process_group=0: that needs Python 3.11.
+            start_new_session=True,
+        )
+        log.close()
+        self.workers[wid] = WorkerProc(wid, proc, self.metrics.now(), warm=warm)
+        return wid
+
+    def __getitem__(self, wid: str) -> WorkerProc:
+        return self.workers[wid]
+
+    def __contains__(self, wid: object) -> bool:
+        return wid in self.workers
+
+    def live_ids(self) -> list[str]:
+        """Live workers that are nodes of the run (warm workers not yet arrived excluded)."""
+        return [w for w, p in self.workers.items() if p.alive and not p.warm]
+
+    def warm_ids(self) -> list[str]:
+        """Live workers started ahead of an arrival that no arrival has taken yet."""
+        return [w for w, p in self.workers.items() if p.alive and p.warm]
+
+    def crashed_ids(self) -> list[str]:
+        return sorted(w for w, p in self.workers.items() if p.fate == "crashed")
+
+    def has_joined(self, wid: str) -> bool:
+        """Whether a worker finished starting up (imports, data) and can be planned."""
+        return self.store.check([joined_key(wid)])
+
+    def preempt(self, wid: str, how: str) -> None:
+        """Deliver a preemption: ``kill`` (SIGKILL) or a notice (SIGTERM)."""
+        proc = self.workers[wid]
+        if not proc.alive:
+            return
+        self.metrics.note_preemption()
+        if how == "kill":
+            proc.proc.send_signal(signal.SIGKILL)
+            proc.fate = "killed"
+        else:
+            proc.proc.send_signal(signal.SIGTERM)
+            proc.fate = "terminated"
+        self.metrics.event("preempted", worker=wid, signal=how)
+
+    def kill(self, wid: str, fate: Fate) -> None:
+        """SIGKILL a worker that is hung or replaced (no preemption counted)."""
+        self.workers[wid].proc.send_signal(signal.SIGKILL)
+        self.workers[wid].fate = fate
+
+    def poll(self) -> list[str]:
+        """The workers that exited since the last poll. JobError if one exited with an error
+        it reported."""
+        died = []
+        for w, p in self.workers.items():
+            if p.alive and p.proc.poll() is not None:
+                p.alive = False
+                code = p.proc.returncode
+                if p.fate == "running" and code in (-signal.SIGKILL, -signal.SIGTERM):
+                    # Killed by an --inject fault the worker delivered to itself.
+                    self.metrics.note_preemption()
+                    p.fate = "killed"
+                    self.metrics.event("preempted", worker=w, signal="kill")
+                elif p.fate == "running":
+                    p.fate = "exited" if code == 0 else "crashed"
+                if code not in SIGNALLED and self.store.check([error_key(w)]):
+                    # An error, not a lost process: redoing the work would only repeat it.
+                    raise JobError(self.store.get(error_key(w)).decode())
+                died.append(w)
+                if code not in SIGNALLED:
+                    self.metrics.event("worker-exit", worker=w, code=code)
+        return died
+
+    def check_heartbeats(self, limit_s: float) -> None:
+        """SIGKILL a live worker whose last heartbeat is older than ``limit_s`` (hung)."""
+        now = time.time()
+        for w in self.live_ids():
+            key = heartbeat_key(w)
+            if self.store.check([key]):
+                last = float(self.store.get(key).decode())
+                if now - last > limit_s:
+                    self.metrics.event("heartbeat-missed", worker=w)
+                    self.kill(w, "killed")
+
+    def wait_all(self, timeout_s: float) -> None:
+        """Wait for every worker to exit; one still running after ``timeout_s`` is killed."""
+        for p in self.workers.values():
+            try:
+                p.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait()
+
+    def shutdown(self) -> None:
+        """Stop every worker (Ctrl-C or a coordinator error): nothing is left running."""
+        for p in self.workers.values():
+            if p.proc.poll() is None:
+                p.proc.send_signal(signal.SIGKILL)
+        for p in self.workers.values():
+            p.proc.wait()
+
+
+def child_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    env["PYTHONUNBUFFERED"] = "1"
+    # torch's C++ warnings come with a C++ stack: a store or gloo peer that goes away (the
+    # failures Spotline survives, or a lost coordinator, which the worker reports in one
+    # line) filled the worker logs with them. Set it to WARNING to see them again.
+    env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return env

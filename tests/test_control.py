@@ -1,0 +1,112 @@
+"""The coordinator's parts read and run alone: the planner against an in-memory store.
+
+No process is started: the store is a dict, the supervisor and the generation loop are
+stand-ins with the calls the planner makes. What a plan says is read back through
+spotline.protocol, as a worker reads it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from conftest import small_config
+
+from spotline.config import RunConfig, parse_config
+from spotline.launch.control.checkpoints import CheckpointCommits
+from spotline.launch.control.metrics import RunMetrics
+from spotline.launch.control.recovery import POLICIES, Planner
+from spotline.plan.layout import WorkerReport, initial_layout, member_holdings
+from spotline.protocol import Plan, entry_key, plan_key
+
+
+class DictStore:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)
+
+    def add(self, key: str, value: int) -> int:
+        total = int(self.data.get(key, b"0")) + value
+        self.data[key] = str(total).encode()
+        return total
+
+
+class Loop:
+    """The generation loop as the planner sees it: generation 1, training goes on at once."""
+
+    generation = 1
+    generation_end_t: float | None = None
+
+    def __init__(self, planner_ref: list[Planner]) -> None:
+        self.planner_ref = planner_ref
+
+    def max_progress(self) -> int:
+        return self.planner_ref[0].resume_step + 1  # the first step after the plan started
+
+    def wait_for_joiners(self) -> list[str]:
+        raise AssertionError("no wait expected")
+
+    def stop_keys(self, generation: int) -> None:
+        pass
+
+
+class NoExits:
+    def poll(self) -> list[str]:
+        return []
+
+
+def _planner(cfg: RunConfig, tmp_path: Path) -> tuple[Planner, DictStore, RunMetrics]:
+    store = DictStore()
+    metrics = RunMetrics(cfg, store, snapshot=lambda: (0, 4, {}))
+    checkpoints = CheckpointCommits(cfg, store, metrics, tmp_path, interval_steps=0)
+    ref: list[Planner] = []
+    supervisor: Any = NoExits()
+    planner = Planner(cfg, store, supervisor, metrics, checkpoints, Loop(ref))
+    ref.append(planner)
+    return planner, store, metrics
+
+
+def _cfg() -> RunConfig:
+    return parse_config(small_config(topology={"stages": 2, "workers": 4}))
+
+
+def test_a_lost_member_is_taken_over_in_memory(tmp_path: Path) -> None:
+    cfg = _cfg()
+    planner, store, metrics = _planner(cfg, tmp_path)
+    layout = initial_layout(2, 2, ["w0", "w1", "w2", "w3"], elastic=True)
+    assert layout is not None
+    held = member_holdings(layout, 5, replicas=True)
+    survivors = [WorkerReport(w, held[w], layout.slot_of(w)) for w in ("w0", "w2", "w3")]
+    metrics.note_preemption()
+    POLICIES["failover"].recover(planner, survivors, reached=6, ready_t=0.0)
+    plan = Plan.decode(store.get(plan_key(1)))
+    assert plan.action == "train" and plan.resume_step == 5 and plan.layout is not None
+    assert "w1" not in plan.layout.members
+    assert all(store.check([entry_key(w)]) for w in ("w0", "w2", "w3"))
+    assert metrics.recoveries == 1 and metrics.steps_redone == 1 and metrics.fallbacks == 0
+    assert [e["in_memory"] for e in metrics.recovery_events] == [True]
+
+
+def test_a_fatal_loss_without_a_checkpoint_starts_over(tmp_path: Path) -> None:
+    cfg = _cfg()
+    planner, store, metrics = _planner(cfg, tmp_path)
+    planner.resume_step = 5
+    layout = initial_layout(2, 2, ["w0", "w1", "w2", "w3"], elastic=True)
+    assert layout is not None
+    held = member_holdings(layout, 5, replicas=False)
+    # Only stage 0's holders survive: stage 1 is held by nobody.
+    survivors = [WorkerReport(w, held[w]) for w in layout.members if 0 in layout.stages_of(w)]
+    POLICIES["failover"].recover(planner, survivors, reached=6, ready_t=0.0)
+    plan = Plan.decode(store.get(plan_key(1)))
+    assert plan.action == "train" and plan.resume_step == 0 and dict(plan.holders) == {}
+    assert metrics.fallbacks == 1 and metrics.steps_redone == 6
+    kinds = [e.kind for e in metrics.events]
+    assert kinds[-3:] == ["fatal-loss", "restart-from-scratch", "recovered"]
+    assert [e["in_memory"] for e in metrics.recovery_events] == [False]

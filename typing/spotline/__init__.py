@@ -1,0 +1,1 @@
+../../integration/__init__.py

@@ -1,0 +1,1 @@
+../../integration/dp_engine.py

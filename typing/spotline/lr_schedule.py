@@ -1,0 +1,1 @@
+../../integration/lr_schedule.py

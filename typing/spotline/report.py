@@ -1,0 +1,1 @@
+../../integration/report.py
