@@ -544,23 +544,24 @@ class ElasticWorker:
             self.error = one_line(exc)
             self._note(f"generation {generation}: {self.error}")
             outcome = "failed"
-            # Tell every member at once (their watchdogs unblock them), and unblock our peers.
-            self._training_generation = None
-            self.store.set(abort_key(generation), self.wid)
-            abort_connections(self.port)
+            self._abort_generation(generation)
         except Exception as exc:
             # Not a lost peer (a full disk at the export, a bug): the job must stop with this
             # error, not recover from it. The traceback goes to this worker's log.
             self.error = one_line(exc)
             self._note(f"generation {generation}: error:\n{traceback.format_exc()}")
             outcome = "error"
-            self._training_generation = None
-            self.store.set(abort_key(generation), self.wid)
-            abort_connections(self.port)
+            self._abort_generation(generation)
         # Outside the except block: the traceback (and the engine it references) is gone.
         self._training_generation = None
         self._teardown()
         return outcome
+
+    def _abort_generation(self, generation: int) -> None:
+        """Tell every member at once (their watchdogs unblock them), and unblock our peers."""
+        self._training_generation = None
+        self.store.set(abort_key(generation), self.wid)
+        abort_connections(self.port)
 
     def _engine_step(self) -> int:
         engine = getattr(self, "_engine", None)
@@ -965,6 +966,17 @@ class ElasticWorker:
         dist.barrier()
 
 
+def _tell_coordinator(worker: ElasticWorker | None, cause: str) -> None:
+    """Why this worker exits with an error (``error/<worker>``): the coordinator stops the
+    job with it instead of taking the exit for a preemption."""
+    if worker is None:
+        return
+    try:
+        worker.store.set(error_key(worker.wid), f"worker {worker.wid}: {cause}")
+    except Exception:  # the coordinator is gone: nobody to tell
+        pass
+
+
 def main() -> int:
     import argparse
 
@@ -985,11 +997,7 @@ def main() -> int:
         return worker.run()
     except UserError as exc:
         print(f"spotline: error: {exc}", flush=True)
-        if worker is not None:
-            try:
-                worker.store.set(error_key(worker.wid), f"worker {worker.wid}: {exc}")
-            except Exception:  # the coordinator is gone: nobody to tell
-                pass
+        _tell_coordinator(worker, str(exc))
         return 2
     except Exception as exc:
         # A store operation failed because the coordinator is gone (SIGKILLed, its machine
@@ -1005,11 +1013,7 @@ def main() -> int:
             traceback.print_exc()
         except OSError:  # the log is on a full disk
             pass
-        if worker is not None:
-            try:
-                worker.store.set(error_key(worker.wid), f"worker {worker.wid}: {one_line(exc)}")
-            except Exception:  # the coordinator is gone: nobody to tell
-                pass
+        _tell_coordinator(worker, one_line(exc))
         return 1
 
 
