@@ -320,6 +320,7 @@ class ElasticWorker:
         self.rebalances: list[Rebalance] = []  # moves within a generation (rank 0)
         self._measuring = False
         self.error: str | None = None
+        self._engine: RedundantPipelineEngine | None = None  # the generation's, while it runs
         # Checkpoint writes that failed (from the writer's thread), not yet told to the store.
         self._ckpt_errors: list[CheckpointWriteError] = []
         self._ckpt_errors_lock = threading.Lock()
@@ -564,7 +565,7 @@ class ElasticWorker:
         abort_connections(self.port)
 
     def _engine_step(self) -> int:
-        engine = getattr(self, "_engine", None)
+        engine = self._engine
         return int(engine.rng_step) if engine is not None else -1
 
     def _note(self, text: str) -> None:
@@ -596,6 +597,8 @@ class ElasticWorker:
             redundancy=sl.redundancy.mode,
             replica_device=sl.redundancy.replica_device,
         )
+        # build_engine returns DeepSpeed's (untyped) PipelineEngine; it built the class asked.
+        assert isinstance(engine, RedundantPipelineEngine)
         engine.batch_source = lambda step, worker, mb: self.corpus.batch(
             self.sampler.indices(step, worker, mb)
         )
@@ -845,7 +848,7 @@ class ElasticWorker:
 
     def _teardown(self) -> None:
         """Copy state out (if the engine still exists), then release every group reference."""
-        engine = getattr(self, "_engine", None)
+        engine = self._engine
         if engine is not None:
             self.redundant_s += engine.redundant_s
             self.replica_sync_s += engine.replica_sync_s
