@@ -245,10 +245,14 @@ def test_workers_that_lose_their_coordinator_say_so_once_and_exit(tmp_path: Path
         while "spotline: step " not in (tmp_path / "coordinator.err").read_text():
             assert coordinator.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
-        workers = _children(coordinator.pid)
-        assert len(workers) == 2
+        # The workers are forked by the coordinator's spawner (launch/control/spawner.py),
+        # which exits with its coordinator and leaves them to this subreaper.
+        spawners = _children(coordinator.pid)
+        workers = [pid for spawner in spawners for pid in _children(spawner)]
+        assert len(spawners) == 1 and len(workers) == 2
         coordinator.send_signal(signal.SIGKILL)
         coordinator.wait()
+        assert os.waitpid(spawners[0], 0)[0] == spawners[0]
         # A bound on the test, not a timing claim: a worker left alone would wait forever.
         deadline = time.monotonic() + 120
         while len(codes) < len(workers) and time.monotonic() < deadline:

@@ -1,7 +1,8 @@
 """Process supervision: the worker processes the coordinator started, and what became of them.
 
-A worker is started with :meth:`Supervisor.spawn` (``python -m spotline.elastic``, in its own
-session so that a Ctrl-C at the terminal reaches the coordinator only), polled for exit
+A worker is started with :meth:`Supervisor.spawn` (``python -m spotline.elastic``, forked by
+a :class:`~spotline.launch.control.spawner.Spawner` that imported its libraries once, in its
+own session so that a Ctrl-C at the terminal reaches the coordinator only), polled for exit
 (:meth:`Supervisor.poll`), watched by heartbeat (:meth:`Supervisor.check_heartbeats`),
 signalled (:meth:`Supervisor.preempt`: a kill or a SIGTERM notice) and stopped
 (:meth:`Supervisor.shutdown`, :meth:`Supervisor.wait_all`). A worker that exits with an
@@ -14,16 +15,17 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from spotline.launch.control.metrics import RunMetrics
+from spotline.launch.control.spawner import ForkedProcess, Spawner
 from spotline.protocol import Store, error_key, heartbeat_key, joined_key
 
 Fate = Literal["running", "killed", "terminated", "left", "exited", "crashed", "restarted"]
+WORKER_MODULE = "spotline.elastic"  # run as ``python -m WORKER_MODULE``
 SIGNALLED = (0, -signal.SIGKILL, -signal.SIGTERM)  # exit codes that are no worker error
 
 
@@ -34,7 +36,7 @@ class JobError(RuntimeError):
 @dataclass
 class WorkerProc:
     wid: str
-    proc: subprocess.Popen[bytes]
+    proc: ForkedProcess
     started: float
     alive: bool = True
     fate: Fate = "running"
@@ -64,6 +66,7 @@ class Supervisor:
         self.env = env
         self.workers: dict[str, WorkerProc] = {}
         self.next_index = 0  # also the number of workers ever started
+        self._spawner: Spawner | None = None
 
     def spawn(self, *, warm: bool = False) -> str:
         """Start a worker process; returns its id."""
@@ -71,30 +74,23 @@ class Supervisor:
         self.next_index += 1
         logs = self.output / "logs"
         logs.mkdir(parents=True, exist_ok=True)
-        log = open(logs / f"{wid}.log", "ab")  # noqa: SIM115 - handed to the child
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "spotline.elastic",
-                "--config",
-                str(self.config_path),
-                "--output",
-                str(self.output),
-                "--worker-id",
-                wid,
-                "--store",
-                self.store_arg,
-            ],
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            # Its own session (so its own process group): a Ctrl-C at the terminal reaches the
-            # coordinator only, which decides how the workers stop (no KeyboardInterrupt
-            # tracebacks in them). Not process_group=0: that needs Python 3.11.
-            start_new_session=True,
-        )
-        log.close()
+        argv = [
+            "--config",
+            str(self.config_path),
+            "--output",
+            str(self.output),
+            "--worker-id",
+            wid,
+            "--store",
+            self.store_arg,
+        ]
+        if self._spawner is None:
+            # Forked from one process that imported the worker's libraries once (see
+            # spawner.py); every worker runs in its own session (so its own process group): a
+            # Ctrl-C at the terminal reaches the coordinator only, which decides how the
+            # workers stop (no KeyboardInterrupt tracebacks in them).
+            self._spawner = Spawner([WORKER_MODULE], self.env, logs / "spawner.log")
+        proc = self._spawner.start(wid, WORKER_MODULE, argv, self.env, logs / f"{wid}.log")
         self.workers[wid] = WorkerProc(wid, proc, self.metrics.now(), warm=warm)
         return wid
 
@@ -180,6 +176,7 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 p.proc.kill()
                 p.proc.wait()
+        self.close_spawner()
 
     def shutdown(self) -> None:
         """Stop every worker (Ctrl-C or a coordinator error): nothing is left running."""
@@ -188,6 +185,12 @@ class Supervisor:
                 p.proc.send_signal(signal.SIGKILL)
         for p in self.workers.values():
             p.proc.wait()
+        self.close_spawner()
+
+    def close_spawner(self) -> None:
+        if self._spawner is not None:
+            self._spawner.close()
+            self._spawner = None
 
 
 def child_environment() -> dict[str, str]:

@@ -1,0 +1,254 @@
+"""Start worker processes by forking a process that has already imported the heavy libraries.
+
+A worker spends its first seconds importing torch, DeepSpeed and transformers (about 2.5 s of
+CPU each on a laptop core; four workers starting together on two cores wait twice that). The
+:class:`Spawner` pays it once: it starts one *zygote* process (``python -m
+spotline.launch.control.spawner --preload MODULE ...``) that imports the worker's modules and
+then forks a worker for each request it reads, each child running the worker's ``python -m``
+entry point as if it had been started fresh (own session, own log, its own environment and
+argv). The zygote reaps its children and reports each exit status back, so a
+:class:`ForkedProcess` answers ``poll``/``wait``/``send_signal`` like ``subprocess.Popen``
+and the supervisor treats both alike.
+
+Forking is safe here because the zygote never starts a thread: it only imports (torch,
+DeepSpeed and transformers start none at import; :func:`_serve` asserts one thread before
+the first fork) and every child builds its own process groups, stores and RNG state after
+the fork. The children share the imported pages copy-on-write, so a machine's workers also
+take less memory.
+
+The zygote talks JSON lines: requests on its stdin (``{"id", "module", "argv", "env",
+"log"}``), replies on its stdout (``{"id", "pid"}`` once started, ``{"pid", "code"}`` when
+reaped; ``code`` as ``Popen.returncode``: negative for a signal). It exits when its stdin
+closes (the supervisor is gone or done); workers it started that still run are reparented,
+and find out on their own that their store is gone, as workers started with ``subprocess``
+would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+REAP_POLL_S = 0.02
+
+
+@dataclass
+class ForkedProcess:
+    """A worker forked by the zygote, with the part of ``subprocess.Popen``'s interface the
+    supervisor uses."""
+
+    pid: int
+    _spawner: Spawner = field(repr=False)
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        self._spawner.read_replies(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            self._spawner.read_replies(REAP_POLL_S if left is None else min(left, REAP_POLL_S))
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        # Not after its exit was reported: the pid may belong to another process by now.
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # exited; the zygote's reply is on its way
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class Spawner:
+    """The supervisor's side: one zygote, and the workers it forked."""
+
+    def __init__(self, preload: list[str], env: dict[str, str], log: Path) -> None:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as zygote_log:
+            self._zygote = subprocess.Popen(
+                [sys.executable, "-m", "spotline.launch.control.spawner"]
+                + [arg for module in preload for arg in ("--preload", module)],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=zygote_log,
+                # Its own session: a Ctrl-C at the terminal reaches the coordinator only.
+                start_new_session=True,
+            )
+        assert self._zygote.stdin is not None and self._zygote.stdout is not None
+        self._requests: IO[bytes] = self._zygote.stdin
+        self._replies: IO[bytes] = self._zygote.stdout
+        self._buffer = b""
+        self._by_pid: dict[int, ForkedProcess] = {}
+        self._started: dict[str, int] = {}
+
+    def start(
+        self, request_id: str, module: str, argv: list[str], env: dict[str, str], log: Path
+    ) -> ForkedProcess:
+        """Fork a worker running ``python -m module *argv`` with ``env``, output to ``log``."""
+        line = json.dumps(
+            {"id": request_id, "module": module, "argv": argv, "env": env, "log": str(log)}
+        )
+        try:
+            self._requests.write(line.encode() + b"\n")
+            self._requests.flush()
+        except BrokenPipeError:
+            raise RuntimeError(f"the worker spawner exited ({self._zygote.poll()})") from None
+        while request_id not in self._started:
+            if not self.read_replies(1.0) and self._zygote.poll() is not None:
+                raise RuntimeError(
+                    f"the worker spawner exited with {self._zygote.returncode} before starting "
+                    f"{request_id}"
+                )
+        proc = ForkedProcess(self._started.pop(request_id), self)
+        self._by_pid[proc.pid] = proc
+        return proc
+
+    def read_replies(self, timeout_s: float) -> bool:
+        """Read what the zygote reported within ``timeout_s``; whether anything came."""
+        if self._replies.closed:  # after close(): nothing more will be reported
+            return False
+        ready, _, _ = select.select([self._replies], [], [], timeout_s)
+        if not ready:
+            return False
+        chunk = os.read(self._replies.fileno(), 65536)
+        if not chunk:
+            return False
+        self._buffer += chunk
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for raw in lines:
+            reply = json.loads(raw)
+            if "code" in reply:
+                proc = self._by_pid.get(reply["pid"])
+                if proc is not None:
+                    proc.returncode = reply["code"]
+            else:
+                self._started[reply["id"]] = reply["pid"]
+        return True
+
+    def close(self) -> None:
+        """Stop the zygote (its workers are the supervisor's to stop)."""
+        self._requests.close()
+        try:
+            self._zygote.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._zygote.kill()
+            self._zygote.wait()
+        self._replies.close()
+
+
+def _run_child(request: dict[str, object]) -> None:
+    """In the forked child: become the worker process the request describes. Never returns."""
+    code = 1
+    try:
+        os.setsid()
+        log_fd = os.open(str(request["log"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        null_fd = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null_fd, 0)  # not the zygote's request pipe
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
+        os.close(null_fd)
+        env = request["env"]
+        assert isinstance(env, dict)
+        os.environ.clear()
+        os.environ.update(env)
+        module = str(request["module"])
+        argv = request["argv"]
+        assert isinstance(argv, list)
+        sys.argv = [module, *map(str, argv)]
+        import runpy
+
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+            if exc.code is not None and not isinstance(exc.code, int):
+                print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        try:
+            import logging
+
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            # Not the zygote's atexit handlers and teardown: they are the zygote's.
+            os._exit(code)
+
+
+def _serve(preload: list[str]) -> int:
+    for module in preload:
+        importlib.import_module(module)
+    # Forking is safe only from a process with one thread (see the module docstring).
+    assert threading.active_count() == 1 and len(os.listdir("/proc/self/task")) == 1, (
+        "a preloaded module started a thread; the spawner cannot fork safely"
+    )
+    out = sys.stdout.buffer
+    requests = sys.stdin.fileno()
+    pending = b""
+    children: set[int] = set()
+
+    def reply(message: dict[str, object]) -> None:
+        out.write(json.dumps(message).encode() + b"\n")
+        out.flush()
+
+    while True:
+        ready, _, _ = select.select([requests], [], [], REAP_POLL_S)
+        if ready:
+            chunk = os.read(requests, 65536)
+            if not chunk:
+                # The supervisor is gone (or done): so is the zygote. Its workers, if any
+                # still run, are left to find out on their own, as the workers of a lost
+                # coordinator do (their store is gone).
+                return 0
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for raw in lines:
+                request = json.loads(raw)
+                pid = os.fork()
+                if pid == 0:
+                    _run_child(request)
+                children.add(pid)
+                reply({"id": request["id"], "pid": pid})
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                children.discard(pid)
+                reply({"pid": pid, "code": os.waitstatus_to_exitcode(status)})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spotline-spawner")
+    parser.add_argument("--preload", action="append", default=[])
+    args = parser.parse_args(argv)
+    return _serve(args.preload)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
