@@ -20,7 +20,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Final, Literal, TypeVar, Union
 
 from spotline.errors import UserError
 from spotline.plan.chaos import parse_rescales
@@ -273,47 +273,65 @@ def _type_name(tp: Any) -> str:
     )
 
 
+# What _converted returns for a value of the wrong type (None is a valid value).
+_MISMATCH: Final = object()
+
+
 def _check_value(path: str, value: Any, tp: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        for arm in typing.get_args(tp):
-            try:
-                return _check_value(path, value, arm)
-            except UserError:
-                continue
+    """``value`` of config key ``path`` as its field type ``tp`` wants it (a section parsed,
+    a float made of an int), or a UserError naming what was expected."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return _check_union(path, value, tp)
+    checked = _converted(path, value, tp)
+    if checked is _MISMATCH:
         raise UserError(f"config key '{path}' is {json.dumps(value)}; expected {_type_name(tp)}")
-    if origin is Literal:
-        if value in typing.get_args(tp):
-            return value
-    elif tp is type(None):
-        if value is None:
-            return None
-    elif origin is dict:
-        if isinstance(value, dict):
-            return dict(value)
-    elif origin is list:
-        (item_type,) = typing.get_args(tp)
-        if isinstance(value, list):
-            return [_check_value(f"{path}[{i}]", v, item_type) for i, v in enumerate(value)]
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        # bool is an int subclass in Python; `true` for a count is a mistake, not 1.
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        if isinstance(value, dict):
-            return _parse_section(path, value, tp)
-    else:  # pragma: no cover - a field type this parser does not know is a programming error
-        raise AssertionError(f"unsupported config field type {tp!r} at {path}")
+    return checked
+
+
+def _check_union(path: str, value: Any, tp: Any) -> Any:
+    """The first arm of the union ``tp`` that accepts ``value``."""
+    for arm in typing.get_args(tp):
+        try:
+            return _check_value(path, value, arm)
+        except UserError:
+            continue
     raise UserError(f"config key '{path}' is {json.dumps(value)}; expected {_type_name(tp)}")
+
+
+def _converted(path: str, value: Any, tp: Any) -> Any:
+    """``value`` as the non-union type ``tp`` wants it, or ``_MISMATCH``."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return value if value in typing.get_args(tp) else _MISMATCH
+    if tp is type(None):
+        return None if value is None else _MISMATCH
+    if origin is dict:
+        return dict(value) if isinstance(value, dict) else _MISMATCH
+    if origin is list:
+        (item_type,) = typing.get_args(tp)
+        if not isinstance(value, list):
+            return _MISMATCH
+        return [_check_value(f"{path}[{i}]", v, item_type) for i, v in enumerate(value)]
+    if tp in (bool, int, float, str):
+        return _scalar(value, tp)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return _parse_section(path, value, tp) if isinstance(value, dict) else _MISMATCH
+    # A field type this parser does not know is a programming error.
+    raise AssertionError(f"unsupported config field type {tp!r} at {path}")  # pragma: no cover
+
+
+def _scalar(value: Any, tp: type) -> Any:
+    """``value`` as the JSON scalar type ``tp`` (bool, int, float, str), or ``_MISMATCH``."""
+    if isinstance(value, bool):
+        # bool is an int subclass in Python; `true` for a count is a mistake, not 1.
+        return value if tp is bool else _MISMATCH
+    if tp is int:
+        return value if isinstance(value, int) else _MISMATCH
+    if tp is float:
+        return float(value) if isinstance(value, (int, float)) else _MISMATCH
+    if tp is str:
+        return value if isinstance(value, str) else _MISMATCH
+    return _MISMATCH  # tp is bool, value is not
 
 
 def _parse_section(path: str, raw: Mapping[str, Any], cls: type[_T]) -> _T:

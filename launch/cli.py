@@ -20,10 +20,13 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotline.errors import UserError
 from spotline.launch.flags import add_run_flags, overrides_from_args
+
+if TYPE_CHECKING:  # the coordinator imports the control plane: only when a run starts
+    from spotline.launch.coordinator import Coordinator, Stopped
 
 EXIT_USAGE = 2
 
@@ -124,54 +127,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from spotline.tracking import SUMMARY_NAME, write_json_atomic
 
     try:
-        if args.resume is not None:
-            cfg, output = resume_config(args)
-        else:
-            cfg = resolve_config(args)
-            output = Path(args.output or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-            check_output(output)
-            shared = cfg.spotline.checkpoints.dir
-            root = cfg.checkpoint_root(output)
-            if root.is_dir() and any(root.iterdir()):
-                # A restore must never read another job's checkpoint, and a rerun must never
-                # destroy the checkpoints of the run it repeats.
-                if shared:
-                    raise UserError(
-                        f"checkpoints.dir {shared} already holds files from another run; "
-                        "continue that run with --resume (its --output directory), empty "
-                        "checkpoints.dir or give this run its own directory"
-                    )
-                raise UserError(
-                    f"--output {output} holds the checkpoints of an earlier run; continue it "
-                    f"with `spotline train --resume {output}`, or pass another --output"
-                )
-        # Importing torch/transformers costs seconds; it buys a one-line error before any
-        # process starts for a missing model directory or a corpus too small for a batch.
-        t_startup = time.perf_counter()
-        from spotline.trainer import prepare_inputs
-
-        prepare_inputs(cfg)
-        # What a worker does before it can join (these imports, the corpus), measured: a
-        # lower bound of its start-up (it also forms a process group and builds an engine).
-        validate_recovery(cfg, startup_s=time.perf_counter() - t_startup)
-        resume_from: int | None = None
-        if args.resume is not None:
-            from spotline.checkpoint import latest_complete
-
-            root = cfg.checkpoint_root(output)
-            resume_from = latest_complete(root) if root.is_dir() else None
-            if resume_from is None:
-                print(
-                    f"spotline: {output} has no committed checkpoint; training from step 0",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            else:
-                print(f"spotline: resuming from step {resume_from}", file=sys.stderr, flush=True)
-        try:
-            output.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise UserError(f"--output {output} cannot be created: {exc}") from None
+        cfg, output, resume_from = _prepare_run(args)
     except UserError as exc:
         return fail(str(exc))
     # A summary left by an earlier run in this directory must not pass for this run's.
@@ -179,7 +135,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     resolved = output / RESOLVED_NAME
     write_json_atomic(resolved, cfg.to_json())
 
-    from spotline.launch.coordinator import Coordinator, Stopped, child_environment
+    from spotline.launch.coordinator import Coordinator, child_environment
 
     env = child_environment()
     env["OMP_NUM_THREADS"] = str(cfg.spotline.determinism.intra_op_threads)
@@ -187,6 +143,81 @@ def _cmd_train(args: argparse.Namespace) -> int:
         coordinator = Coordinator(cfg, resolved, output, env=env, resume_from=resume_from)
     except UserError as exc:  # e.g. an unreachable etcd
         return fail(str(exc))
+    return _supervise(coordinator, output)
+
+
+def _prepare_run(args: argparse.Namespace) -> tuple[Any, Path, int | None]:
+    """Everything checked before any process starts: the config, the output directory, the
+    model and corpus, the recovery settings. Returns the config, the output directory
+    (created) and the step a resume continues from (None: step 0)."""
+    if args.resume is not None:
+        cfg, output = resume_config(args)
+    else:
+        cfg, output = _new_run_config(args)
+    # Importing torch/transformers costs seconds; it buys a one-line error before any
+    # process starts for a missing model directory or a corpus too small for a batch.
+    t_startup = time.perf_counter()
+    from spotline.trainer import prepare_inputs
+
+    prepare_inputs(cfg)
+    # What a worker does before it can join (these imports, the corpus), measured: a
+    # lower bound of its start-up (it also forms a process group and builds an engine).
+    validate_recovery(cfg, startup_s=time.perf_counter() - t_startup)
+    resume_from = _resume_step(cfg, output) if args.resume is not None else None
+    try:
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"--output {output} cannot be created: {exc}") from None
+    return cfg, output, resume_from
+
+
+def _new_run_config(args: argparse.Namespace) -> tuple[Any, Path]:
+    """A new run (no ``--resume``): its config and output directory, which must not hold an
+    earlier run's checkpoints."""
+    cfg = resolve_config(args)
+    output = Path(args.output or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    check_output(output)
+    shared = cfg.spotline.checkpoints.dir
+    root = cfg.checkpoint_root(output)
+    if root.is_dir() and any(root.iterdir()):
+        # A restore must never read another job's checkpoint, and a rerun must never
+        # destroy the checkpoints of the run it repeats.
+        if shared:
+            raise UserError(
+                f"checkpoints.dir {shared} already holds files from another run; "
+                "continue that run with --resume (its --output directory), empty "
+                "checkpoints.dir or give this run its own directory"
+            )
+        raise UserError(
+            f"--output {output} holds the checkpoints of an earlier run; continue it "
+            f"with `spotline train --resume {output}`, or pass another --output"
+        )
+    return cfg, output
+
+
+def _resume_step(cfg: Any, output: Path) -> int | None:
+    """The last committed checkpoint a resume continues from (None: step 0), said on stderr."""
+    from spotline.checkpoint import latest_complete
+
+    root = cfg.checkpoint_root(output)
+    resume_from = latest_complete(root) if root.is_dir() else None
+    if resume_from is None:
+        print(
+            f"spotline: {output} has no committed checkpoint; training from step 0",
+            file=sys.stderr,
+            flush=True,
+        )
+    else:
+        print(f"spotline: resuming from step {resume_from}", file=sys.stderr, flush=True)
+    return resume_from
+
+
+def _supervise(coordinator: Coordinator, output: Path) -> int:
+    """Run the job to its end with Ctrl-C handled (the first one stops at a checkpointed step
+    boundary, a second at once), write and print its summary; the exit code."""
+    from spotline.launch.coordinator import Stopped
+    from spotline.tracking import SUMMARY_NAME, write_json_atomic
+
     interrupts = 0
 
     def on_sigint(signum: int, frame: FrameType | None) -> None:
@@ -204,15 +235,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except Stopped as stop:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the workers have exited already
         coordinator.shutdown()
-        if stop.step == stop.stopped_at:
-            print(f"spotline: stopped at step {stop.stopped_at}; {resume_hint}", file=sys.stderr)
-        else:
-            since = "step 0" if stop.step is None else f"its last checkpoint, step {stop.step}"
-            print(
-                f"spotline: stopped at step {stop.stopped_at} without its checkpoint; "
-                f"{resume_hint} (from {since})",
-                file=sys.stderr,
-            )
+        print(f"spotline: {_stopped_message(stop, resume_hint)}", file=sys.stderr)
         return 130
     except KeyboardInterrupt:
         # A second Ctrl-C: stop at once (a third one must not interrupt the cleanup).
@@ -240,6 +263,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
     coordinator.log_to_wandb(summary)
     print(format_summary(summary, output))
     return 0
+
+
+def _stopped_message(stop: Stopped, resume_hint: str) -> str:
+    """What a stop requested by a first Ctrl-C says: where it stopped, how to resume."""
+    if stop.step == stop.stopped_at:
+        return f"stopped at step {stop.stopped_at}; {resume_hint}"
+    since = "step 0" if stop.step is None else f"its last checkpoint, step {stop.step}"
+    return f"stopped at step {stop.stopped_at} without its checkpoint; {resume_hint} (from {since})"
 
 
 def validate_recovery(cfg: Any, *, startup_s: float = 0.0) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from spotline.launch.simulate import SWEEP_PLOTS, sweep_figures, trace_run_figure
 from spotline.launch.simulate import main as simulate_main
+from spotline.plan.policies import SIM_POLICIES, SIMULATED_RECOVERY
 from spotline.plan.traces import (
     Trace,
     TraceEvent,
@@ -22,6 +23,8 @@ from spotline.plan.traces import (
 from spotline.sim.calibration import load_calibration
 from spotline.sim.engine import (
     POLICIES,
+    POLICY_MODELS,
+    CheckpointRestartPolicy,
     SimConfig,
     membership_batches,
     simulate,
@@ -121,6 +124,28 @@ def test_checkpoint_restart_redoes_work_since_the_checkpoint(toy_config: SimConf
     spot = simulate(trace, "spotline", config)
     assert spot.redone_samples == 0 and spot.num_fatal_failures == 0
     assert spot.degraded_s == 0
+
+
+def test_each_simulated_policy_is_one_class_keyed_by_the_shared_name() -> None:
+    assert tuple(POLICY_MODELS) == POLICIES == SIM_POLICIES
+    for name, model in POLICY_MODELS.items():
+        assert model.name == name
+        # The runtime recovery policy it runs, by the runtime's name (on-demand runs none).
+        assert model.recovery == SIMULATED_RECOVERY.get(name)
+
+
+def test_a_new_policy_is_one_subclass(toy_config: SimConfig) -> None:
+    class NeverCheckpoints(CheckpointRestartPolicy):
+        def checkpoint_interval_s(self, trace: Trace, config: SimConfig) -> float:
+            return math.inf
+
+    events = tuple(TraceEvent(0.0, "add", f"n{i}") for i in range(4)) + (
+        TraceEvent(1000.0, "remove", "n0"),
+    )
+    result = NeverCheckpoints().simulate(Trace(events, 2000.0), toy_config, None)
+    # Training from 75 s to the preemption at 1000 s, all redone: 925 s / 1.25 s = 740 steps.
+    assert result.redone_samples == 7400
+    assert result.checkpoint_s == 0.0 and result.num_restarts == 2
 
 
 def test_conservation_on_a_busy_trace(toy_config: SimConfig) -> None:

@@ -11,7 +11,9 @@ A recovery policy decides what the job does when a worker that trains is lost:
     The baseline: every worker is replaced and the job restarts from the last checkpoint.
 
 The runtime runs a policy by this name (``spotline.launch.control.recovery``); the simulator
-(:mod:`spotline.sim.engine`) names its policies after the system that runs them: ``spotline``
+(:mod:`spotline.sim.engine`, one ``SimPolicy`` class per name in its ``POLICY_MODELS``, each
+saying by ``recovery`` which of these it runs) names its policies after the system that
+runs them: ``spotline``
 (failover with elastic logical workers, what the runtime does), ``spotline-rigid`` (failover
 with data parallelism fixed to the configured pipelines), ``checkpoint-restart``, and the
 ``on-demand`` baseline, which is no recovery policy (it is never preempted).

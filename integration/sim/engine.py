@@ -1,6 +1,6 @@
 """Discrete-event cluster simulator: the same preemption trace under several policies.
 
-Policies (:data:`POLICIES`):
+Policies (:data:`POLICIES`), each a :class:`SimPolicy` in :data:`POLICY_MODELS`:
 
 ``spotline``
     Bamboo-style redundancy with elastic logical workers. Every decision is the runtime's
@@ -48,8 +48,10 @@ redone`` steps, and running + paused + checkpointing + waiting time == the durat
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Collection, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import ClassVar, Literal
 
 from spotline.plan.layout import (
@@ -61,7 +63,7 @@ from spotline.plan.layout import (
     member_holdings,
     plan_generation,
 )
-from spotline.plan.policies import SIM_POLICIES, SIMULATED_RECOVERY, SimPolicyName
+from spotline.plan.policies import SIM_POLICIES, RecoveryMode, SimPolicyName
 from spotline.plan.traces import Trace, TraceEvent
 from spotline.sim.calibration import Calibration, ModelCalibration
 
@@ -433,14 +435,6 @@ class _Run:
         self.since_checkpoint_s = 0.0
         self.record()
 
-    def start_cost_s(self) -> float:
-        """The pause of a (re)start: rendezvous, plus loading a checkpoint after the first."""
-        cost: float = self.config.calibration.fatal_rendezvous_s
-        if self.started:
-            cost += self.config.model.checkpoint_load_s
-        self.started = True
-        return cost
-
     def check(
         self, placed: Collection[str], removed: Sequence[str], arrived: Sequence[str]
     ) -> None:
@@ -608,157 +602,275 @@ class _Members:
         self.slot_of = {node: slot for slot, node in self.by_slot.items()}
 
 
-def _start_from_nothing(
-    run: _Run, planner: _RuntimePlanner, nodes: list[str], *, min_nodes: int = 1
-) -> _Members | None:
-    """A (re)start on ``nodes`` with no state in memory: the planner's first layout, paid
-    as a restart pause; None (waiting for nodes) with fewer than ``min_nodes`` or too few
-    for the planner."""
-    plan = planner.initial(len(nodes)) if len(nodes) >= min_nodes else None
-    members = None if plan is None else _Members(plan, {}, nodes)
-    if members is not None:
-        run.pause("restart", run.start_cost_s())
-    run.set_layout(None if members is None else members.layout)
-    return members
+Batches = Sequence[tuple[float, list[str], list[str]]]
+"""A trace as the job sees it (:func:`membership_batches`)."""
 
 
-def _simulate_spotline(
-    trace: Trace,
-    batches: Sequence[tuple[float, list[str], list[str]]],
-    config: SimConfig,
-    *,
-    elastic: bool,
-    cost_usd: float,
-) -> PolicyResult:
-    interval = config.spotline_checkpoint_interval_s
-    if interval is None:
-        interval = config.calibration.spotline_checkpoint_interval_s
-    run = _Run(config, interval)
-    topology = config.topology
-    planner = _RuntimePlanner(topology.num_stages, topology.num_pipelines, elastic=elastic)
-    reconfigure_s = config.calibration.reconfigure_s
-    ready: dict[str, None] = {}  # insertion order = the order nodes became ready
-    # ``state``: the layout whose members hold the training state (None: no state, a start
-    # or a restart from the checkpoint is next); ``lost``: its slots gone since it was
-    # planned (non-empty while waiting for nodes with the state still held).
-    state: _Members | None = None
-    lost: set[Slot] = set()
-    num_fatal = num_failovers = num_preemptions = num_restarts = 0
+@dataclass(frozen=True)
+class Cluster:
+    """The nodes a policy runs on: the trace it replays, that trace's membership batches,
+    and what its nodes cost."""
 
-    def start() -> None:
-        nonlocal state, num_restarts
-        state = _start_from_nothing(run, planner, list(ready))
-        if state is not None:
-            num_restarts += 1
+    trace: Trace
+    batches: Batches
+    cost_usd: float
 
-    def replan() -> None:
-        nonlocal state, lost, num_fatal
-        assert state is not None
-        idle = [n for n in ready if n not in state.slot_of]
-        result = planner.replan(state.layout, frozenset(lost), len(idle))
+
+class _Job:
+    """One policy's run on one trace: the training state machine, the runtime's planner,
+    the ready nodes, the members that hold the training state and the counters. The
+    policy (:class:`SimPolicy`) decides what a preemption, an arrival and a completed
+    checkpoint do to it."""
+
+    def __init__(self, policy: SimPolicy, config: SimConfig, interval_s: float) -> None:
+        self.policy = policy
+        self.config = config
+        self.topology = config.topology
+        self.run = _Run(config, interval_s)
+        self.planner = _RuntimePlanner(
+            self.topology.num_stages, self.topology.num_pipelines, elastic=policy.elastic
+        )
+        self.ready: dict[str, None] = {}  # insertion order = the order nodes became ready
+        # ``members``: the layout whose members hold the training state (None: no state, a
+        # start or a restart from the checkpoint is next); ``lost``: its slots gone since it
+        # was planned (non-empty while waiting for nodes with the state still held).
+        self.members: _Members | None = None
+        self.lost: set[Slot] = set()
+        self.num_fatal = self.num_restarts = self.num_failovers = self.num_preemptions = 0
+
+    def start(self) -> None:
+        """A (re)start on the ready nodes with no state in memory: the planner's first
+        layout, paid as the policy's restart cost; waiting for nodes with fewer than the
+        policy's ``min_start_nodes`` or too few for the planner."""
+        nodes = list(self.ready)
+        enough = len(nodes) >= self.policy.min_start_nodes(self.topology)
+        plan = self.planner.initial(len(nodes)) if enough else None
+        self.members = None if plan is None else _Members(plan, {}, nodes)
+        self.lost = set()
+        if self.members is not None:
+            first = not self.run.started
+            self.run.started = True
+            self.run.pause("restart", self.policy.restart_cost_s(self.config, first=first))
+            self.num_restarts += 1
+        self.run.set_layout(None if self.members is None else self.members.layout)
+
+    def placed(self) -> Collection[str]:
+        """The nodes that run a stage now (none while waiting)."""
+        return self.members.slot_of if self.members is not None and not self.lost else {}
+
+    def replay(self, batches: Batches) -> None:
+        """Drive the run through ``batches``: a member lost is the policy's preemption, a
+        node ready its arrival (or a start when no member holds the state)."""
+        run = self.run
+        run.on_checkpoint = lambda: self.policy.on_checkpoint(self)
+        for t_s, removed, arrived in batches:
+            run.advance(t_s)
+            for node in removed:
+                del self.ready[node]
+            run.num_ready = len(self.ready)
+            # A standby or idle node that goes changes nothing: the members train on.
+            held = self.members.slot_of if self.members is not None else {}
+            gone = frozenset(held[n] for n in removed if n in held)
+            if gone:
+                self.num_preemptions += 1
+                self.policy.on_preemption(self, gone)
+            if arrived:
+                for node in arrived:
+                    self.ready[node] = None
+                run.num_ready = len(self.ready)
+                if self.members is None:
+                    self.start()
+                else:
+                    self.policy.on_arrival(self)
+            run.check(self.placed(), removed, arrived)
+
+    def result(self, duration_s: float, cost_usd: float) -> PolicyResult:
+        counters = (self.num_fatal, self.num_restarts, self.num_failovers, self.num_preemptions)
+        return _finish(self.run, self.policy.name, duration_s, cost_usd, counters)
+
+
+class SimPolicy(ABC):
+    """A simulated policy: what it does on a preemption, on an arrival and after a
+    checkpoint, its checkpoint interval and restart cost, and its capacity rule (the nodes
+    it runs on, the planner's mode, the nodes a start needs). Stateless: a run's state is
+    its :class:`_Job`. A new policy is one subclass added to :data:`POLICY_MODELS` (and its
+    name to :data:`spotline.plan.policies.SimPolicyName`)."""
+
+    name: ClassVar[PolicyName]
+    recovery: ClassVar[RecoveryMode | None]
+    """The runtime recovery policy this one runs (:data:`SIMULATED_RECOVERY`), if any."""
+    elastic: ClassVar[bool]
+    """The planner's elastic mode: too few nodes drop whole pipelines first (True), or fold
+    stages in every pipeline (False)."""
+
+    def cluster(self, trace: Trace, config: SimConfig, batches: Batches | None) -> Cluster:
+        """The nodes it runs on: the trace's spot nodes (``batches``, when given, are their
+        :func:`membership_batches`)."""
+        calibration = config.calibration
+        if batches is None:
+            batches = membership_batches(trace, calibration.node_ready_s)
+        return Cluster(trace, batches, spot_cost_usd(trace, calibration.spot_price_per_node_hour))
+
+    def min_start_nodes(self, topology: Topology) -> int:
+        """The fewest ready nodes a (re)start is tried with (the planner may want more)."""
+        return 1
+
+    def restart_cost_s(self, config: SimConfig, *, first: bool) -> float:
+        """The pause of a (re)start: rendezvous, plus loading a checkpoint after the first."""
+        cost: float = config.calibration.fatal_rendezvous_s
+        if not first:
+            cost += config.model.checkpoint_load_s
+        return cost
+
+    @abstractmethod
+    def checkpoint_interval_s(self, trace: Trace, config: SimConfig) -> float:
+        """Seconds of training between checkpoints at the start of a run."""
+
+    @abstractmethod
+    def on_preemption(self, job: _Job, gone: frozenset[Slot]) -> None:
+        """Members on the slots ``gone`` were preempted (counted already)."""
+
+    @abstractmethod
+    def on_arrival(self, job: _Job) -> None:
+        """Nodes became ready while members hold the state (a start otherwise)."""
+
+    @abstractmethod
+    def on_checkpoint(self, job: _Job) -> None:
+        """A checkpoint has just completed."""
+
+    def simulate(self, trace: Trace, config: SimConfig, batches: Batches | None) -> PolicyResult:
+        """Replay ``trace`` (rules in the module docstring)."""
+        cluster = self.cluster(trace, config, batches)
+        job = _Job(self, config, self.checkpoint_interval_s(cluster.trace, config))
+        job.replay(cluster.batches)
+        return job.result(cluster.trace.duration_s, cluster.cost_usd)
+
+
+class SpotlinePolicy(SimPolicy):
+    """``spotline``: in-memory failover with elastic logical workers."""
+
+    name: ClassVar[PolicyName] = "spotline"
+    recovery: ClassVar[RecoveryMode | None] = "failover"
+    elastic: ClassVar[bool] = True
+
+    def checkpoint_interval_s(self, trace: Trace, config: SimConfig) -> float:
+        interval = config.spotline_checkpoint_interval_s
+        if interval is None:
+            interval = config.calibration.spotline_checkpoint_interval_s
+        return interval
+
+    def on_preemption(self, job: _Job, gone: frozenset[Slot]) -> None:
+        if not job.lost:
+            job.num_failovers += 1
+        job.lost |= gone
+        self._replan(job)
+
+    def on_arrival(self, job: _Job) -> None:
+        # An arrival joins at a step boundary: a new generation, as in the runtime.
+        self._replan(job)
+
+    def on_checkpoint(self, job: _Job) -> None:
+        pass  # nodes join when they arrive, not at a checkpoint
+
+    def _replan(self, job: _Job) -> None:
+        """The next generation from what the survivors hold and the idle nodes."""
+        members, run = job.members, job.run
+        assert members is not None
+        idle = [n for n in job.ready if n not in members.slot_of]
+        result = job.planner.replan(members.layout, frozenset(job.lost), len(idle))
         if isinstance(result, FatalLoss):
-            num_fatal += 1
+            job.num_fatal += 1
             run.rollback()
             run.interval_s = max(
                 MIN_CHECKPOINT_INTERVAL_S,
                 young_daly_interval_s(
-                    config.model.checkpoint_save_s, max(run.now, 1.0) / num_fatal
+                    job.config.model.checkpoint_save_s, max(run.now, 1.0) / job.num_fatal
                 ),
             )
-            state, lost = None, set()
-            start()
+            job.start()
         elif result is None:
             run.set_layout(None)  # too few nodes: wait, the survivors keep the state
         else:
-            state, lost = _Members(result, state.by_slot, idle), set()
-            transfer_s = config.calibration.state_transfer_s if result.moves_state else 0.0
-            run.pause("reconfigure", reconfigure_s + transfer_s)
-            run.set_layout(state.layout)
-
-    for t_s, removed, arrived in batches:
-        run.advance(t_s)
-        for node in removed:
-            del ready[node]
-        run.num_ready = len(ready)
-        if state is not None and removed:
-            gone = {state.slot_of[n] for n in removed if n in state.slot_of}
-            if gone:
-                num_preemptions += 1
-                if not lost:
-                    num_failovers += 1
-                lost |= gone
-                replan()
-            # A standby that goes changes nothing: the members train on.
-        if arrived:
-            for node in arrived:
-                ready[node] = None
-            run.num_ready = len(ready)
-            # An arrival joins at a step boundary: a new generation, as in the runtime.
-            if state is None:
-                start()
-            else:
-                replan()
-        run.check(state.slot_of if state is not None and not lost else {}, removed, arrived)
-    policy: PolicyName = "spotline" if elastic else "spotline-rigid"
-    return _finish(
-        run,
-        policy,
-        trace.duration_s,
-        cost_usd,
-        (num_fatal, num_restarts, num_failovers, num_preemptions),
-    )
+            job.members, job.lost = _Members(result, members.by_slot, idle), set()
+            calibration = job.config.calibration
+            transfer_s = calibration.state_transfer_s if result.moves_state else 0.0
+            run.pause("reconfigure", calibration.reconfigure_s + transfer_s)
+            run.set_layout(job.members.layout)
 
 
-def _simulate_checkpoint_restart(
-    trace: Trace,
-    batches: Sequence[tuple[float, list[str], list[str]]],
-    config: SimConfig,
-    *,
-    interval_s: float,
-    cost_usd: float,
-    policy: PolicyName,
-) -> PolicyResult:
-    run = _Run(config, interval_s)
-    topology = config.topology
-    num_stages = topology.num_stages
+class RigidSpotlinePolicy(SpotlinePolicy):
+    """``spotline-rigid``: the same failover with data parallelism fixed to the configured
+    pipelines (the planner without its elastic mode)."""
+
+    name: ClassVar[PolicyName] = "spotline-rigid"
+    elastic: ClassVar[bool] = False
+
+
+class CheckpointRestartPolicy(SimPolicy):
+    """``checkpoint-restart``: every member restarts from the last checkpoint on a
+    preemption; arrivals join at the next checkpoint."""
+
+    name: ClassVar[PolicyName] = "checkpoint-restart"
+    recovery: ClassVar[RecoveryMode | None] = "checkpoint-restart"
     # A restart re-reads the checkpoint onto whole pipelines of the ready nodes (the global
     # batch is fixed, so fewer pipelines means slower steps): the planner's elastic start.
-    planner = _RuntimePlanner(num_stages, topology.num_pipelines, elastic=True)
-    ready: dict[str, None] = {}
-    job: _Members | None = None
-    num_restarts = num_preemptions = 0
+    elastic: ClassVar[bool] = True
 
-    def restart() -> None:
-        nonlocal job, num_restarts
-        job = _start_from_nothing(run, planner, list(ready), min_nodes=num_stages)
-        if job is not None:
-            num_restarts += 1
+    def checkpoint_interval_s(self, trace: Trace, config: SimConfig) -> float:
+        interval = config.checkpoint_interval_s
+        if interval is None:
+            interval = young_daly_interval_s(config.model.checkpoint_save_s, trace_mtbf_s(trace))
+        return max(interval, MIN_CHECKPOINT_INTERVAL_S)
 
-    def grow_at_checkpoint() -> None:
+    def min_start_nodes(self, topology: Topology) -> int:
+        return topology.num_stages
+
+    def on_preemption(self, job: _Job, gone: frozenset[Slot]) -> None:
+        job.run.rollback()
+        job.start()
+
+    def on_arrival(self, job: _Job) -> None:
+        pass  # the nodes wait for the next checkpoint
+
+    def on_checkpoint(self, job: _Job) -> None:
         # The checkpoint was just written: growing redoes nothing, only the restart costs.
-        if job is not None and job.layout.num_pipelines < topology.num_pipelines:
-            if len(ready) // num_stages > job.layout.num_pipelines:
-                restart()
+        members, num_stages = job.members, job.topology.num_stages
+        if members is not None and members.layout.num_pipelines < job.topology.num_pipelines:
+            if len(job.ready) // num_stages > members.layout.num_pipelines:
+                job.start()
 
-    run.on_checkpoint = grow_at_checkpoint
-    for t_s, removed, arrived in batches:
-        run.advance(t_s)
-        for node in removed:
-            del ready[node]
-        run.num_ready = len(ready)
-        # Only the loss of a member stops the job; an idle node going changes nothing.
-        if removed and job is not None and any(n in job.slot_of for n in removed):
-            num_preemptions += 1
-            run.rollback()
-            restart()
-        if arrived:
-            for node in arrived:
-                ready[node] = None
-            run.num_ready = len(ready)
-            if job is None:
-                restart()
-        run.check(job.slot_of if job is not None else {}, removed, arrived)
-    return _finish(run, policy, trace.duration_s, cost_usd, (0, num_restarts, 0, num_preemptions))
+
+class OnDemandPolicy(CheckpointRestartPolicy):
+    """``on-demand``: whole pipelines of on-demand nodes, never preempted, no checkpoints."""
+
+    name: ClassVar[PolicyName] = "on-demand"
+    recovery: ClassVar[RecoveryMode | None] = None
+
+    def cluster(self, trace: Trace, config: SimConfig, batches: Batches | None) -> Cluster:
+        calibration = config.calibration
+        od_trace = on_demand_trace(config, trace.duration_s)
+        return Cluster(
+            od_trace,
+            membership_batches(od_trace, calibration.node_ready_s),
+            spot_cost_usd(od_trace, calibration.on_demand_price_per_node_hour),
+        )
+
+    def checkpoint_interval_s(self, trace: Trace, config: SimConfig) -> float:
+        return math.inf
+
+
+POLICY_MODELS: Mapping[PolicyName, SimPolicy] = MappingProxyType(
+    {
+        policy.name: policy
+        for policy in (
+            SpotlinePolicy(),
+            RigidSpotlinePolicy(),
+            CheckpointRestartPolicy(),
+            OnDemandPolicy(),
+        )
+    }
+)
+"""The simulated policies by name, in :data:`POLICIES` order."""
 
 
 def on_demand_trace(config: SimConfig, duration_s: float) -> Trace:
@@ -777,45 +889,17 @@ def simulate(
     policy: PolicyName,
     config: SimConfig,
     *,
-    batches: Sequence[tuple[float, list[str], list[str]]] | None = None,
+    batches: Batches | None = None,
 ) -> PolicyResult:
     """Replay ``trace`` under ``policy`` (rules in the module docstring).
 
     ``batches`` may pass :func:`membership_batches` of the trace, computed once for several
     policies. ``on-demand`` ignores the trace's nodes and uses only its duration.
     """
-    calibration = config.calibration
-    if policy == "on-demand":
-        od_trace = on_demand_trace(config, trace.duration_s)
-        return _simulate_checkpoint_restart(
-            od_trace,
-            membership_batches(od_trace, calibration.node_ready_s),
-            config,
-            interval_s=math.inf,
-            cost_usd=spot_cost_usd(od_trace, calibration.on_demand_price_per_node_hour),
-            policy="on-demand",
-        )
-    if batches is None:
-        batches = membership_batches(trace, calibration.node_ready_s)
-    cost_usd = spot_cost_usd(trace, calibration.spot_price_per_node_hour)
-    recovery = SIMULATED_RECOVERY.get(policy)
-    if recovery == "checkpoint-restart":
-        interval = config.checkpoint_interval_s
-        if interval is None:
-            interval = young_daly_interval_s(config.model.checkpoint_save_s, trace_mtbf_s(trace))
-        return _simulate_checkpoint_restart(
-            trace,
-            batches,
-            config,
-            interval_s=max(interval, MIN_CHECKPOINT_INTERVAL_S),
-            cost_usd=cost_usd,
-            policy="checkpoint-restart",
-        )
-    if recovery == "failover":
-        return _simulate_spotline(
-            trace, batches, config, elastic=policy == "spotline", cost_usd=cost_usd
-        )
-    raise ValueError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)}")
+    model = POLICY_MODELS.get(policy)
+    if model is None:
+        raise ValueError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)}")
+    return model.simulate(trace, config, batches)
 
 
 def simulate_policies(
