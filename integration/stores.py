@@ -217,18 +217,20 @@ class EtcdV3Store(dist.Store):
             with self.client.session.post(
                 url, json=request, stream=True, timeout=(self.client.timeout, seconds)
             ) as reply:
-                if reply.status_code != 200:
-                    return  # the check that follows raises the store's own error
-                for line in reply.iter_lines(chunk_size=None):
-                    if not line.strip():
-                        continue
-                    result = json.loads(line).get("result", {})
-                    # Anything but the creation notice (an event, a cancel after a
-                    # compaction) means: look again.
-                    if not result.get("created", False) or result.get("events"):
-                        return
+                if reply.status_code == 200:
+                    for line in reply.iter_lines(chunk_size=None):
+                        if not line.strip():
+                            continue
+                        result = json.loads(line).get("result", {})
+                        if result.get("events"):
+                            return
+                        if not result.get("created", False):
+                            break  # canceled (a compaction) or an error: look again
         except (requests.RequestException, ValueError):
-            return  # a read timeout, or etcd gone: the check that follows tells which
+            pass  # a read timeout, or etcd gone: the check that follows tells which
+        # Not woken by a write: a short pause, so that a watch refused at once (the check
+        # after it succeeding) cannot spin until the deadline.
+        time.sleep(min(seconds, 0.05))
 
     # -- the Store interface -----------------------------------------------------------
     def set(self, key: str | bytes, value: str | bytes) -> None:
