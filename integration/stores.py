@@ -5,13 +5,14 @@ command-line argument (``StoreSpec.to_arg`` / ``parse_store_arg``); each worker 
 with ``connect_store``. Both backends are c10d ``Store`` objects, so they also back each
 generation's gloo process group through ``dist.PrefixStore``.
 
-The etcd backend uses torch's ``EtcdStore`` over etcd's v2 API (etcd 3.4 serves it with
-``--enable-v2=true``) through the ``python-etcd`` client; ``start_local_etcd`` runs a private
-etcd on loopback for tests and demos.
+The etcd backend (``EtcdV3Store``) speaks etcd's v3 API through its JSON gateway with the
+``etcd3gw`` client (etcd 3.4 and later; 3.6 has no v2 API); ``start_local_etcd`` runs a
+private etcd on loopback for tests and demos.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -26,15 +27,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import torch.distributed as dist
 
 from spotline.errors import UserError
-
-if TYPE_CHECKING:  # imported on first use at run time (_make_etcd_store_class)
-    from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
 
 Backend = Literal["tcp", "etcd"]
 BACKENDS: tuple[Backend, ...] = ("tcp", "etcd")
@@ -100,80 +98,245 @@ def parse_store_arg(text: str) -> StoreSpec:
         raise UserError(f"--store {text!r}: {exc}; {usage}") from None
 
 
-def _etcd_module() -> Any:
+def _etcd3gw() -> Any:
     try:
-        import etcd
+        import etcd3gw
+        import etcd3gw.exceptions
     except ModuleNotFoundError:
         raise UserError(
-            "the etcd store backend needs the python-etcd package: pip install python-etcd"
+            "the etcd store backend needs the etcd3gw package: pip install 'etcd3gw>=2.7,<3'"
         ) from None
-    return etcd
+    return etcd3gw
 
 
-def _etcd_store_class() -> type[EtcdStore]:
-    """``_SpotlineEtcdStore``, built on first use so that the tcp backend needs no etcd."""
-    global _ETCD_STORE_CLASS
-    if _ETCD_STORE_CLASS is None:
-        _ETCD_STORE_CLASS = _make_etcd_store_class()
-    return _ETCD_STORE_CLASS
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
 
 
-_ETCD_STORE_CLASS: type[EtcdStore] | None = None
+def _unb64(text: str) -> bytes:
+    return base64.b64decode(text)
 
 
-def _make_etcd_store_class() -> type[EtcdStore]:
-    etcd = _etcd_module()
-    from torch.distributed.elastic.rendezvous.etcd_store import EtcdStore
+def _as_bytes(data: str | bytes) -> bytes:
+    # c10d hands a Python store str keys and bytes values; callers in Python pass either.
+    return data.encode() if isinstance(data, str) else bytes(data)
 
-    class _SpotlineEtcdStore(EtcdStore):
-        """torch's EtcdStore with the TCPStore's failure type and cheaper reads.
 
-        EtcdStore signals a timeout with LookupError; callers written for the TCPStore catch
-        ``dist.DistStoreError``, so timeouts are re-raised as that. ``check``, ``add(key, 0)``
-        and a ``get`` or ``wait`` of present keys read the keys themselves: EtcdStore lists
-        the job's whole key directory on every call, which grows with heartbeats and reports.
-        """
+def _one_line(exc: BaseException) -> str:
+    # etcd3gw keeps the cause in ``detail_text`` (its str() is often empty).
+    text = str(getattr(exc, "detail_text", None) or exc) or type(exc).__name__
+    return " ".join(text.split())[:300]
 
-        def _present(self, keys: Sequence[str | bytes]) -> dict[str, bytes] | None:
-            values: dict[str, bytes] = {}
-            for key in keys:
-                try:
-                    node = self.client.get(self.prefix + self._encode(key))
-                except etcd.EtcdKeyNotFound:
-                    return None
-                values[node.key] = self._decode(node.value)
-            return values
 
-        def get(self, key: str | bytes) -> bytes:
-            present = self._present([key])
-            if present is not None:
-                return next(iter(present.values()))
-            try:
-                return bytes(super().get(key))
-            except LookupError as exc:
-                raise dist.DistStoreError(f"etcd store: {exc}") from None
+class EtcdV3Store(dist.Store):
+    """A c10d ``Store`` over etcd's v3 API (its JSON gateway, through ``etcd3gw``).
 
-        def add(self, key: str | bytes, num: int) -> int:
-            if num == 0:
-                # add(key, 0) is how a barrier polls a counter: read it instead of a
-                # compare-and-swap write (a raft commit) per poll.
-                present = self._present([key])
-                if present is not None:
-                    return int(next(iter(present.values())))
-            return int(super().add(key, num))
+    The job's keys are ``/<prefix>/<key>`` (raw bytes, readable with ``etcdctl get --prefix``);
+    values are bytes. The semantics are the TCPStore's: ``add`` is atomic (one transaction
+    that compares the key's mod revision, retried when another client won), ``get`` and
+    ``wait`` block until the keys exist or the timeout passes and then raise
+    ``dist.DistStoreError``, ``add(key, 0)`` reads a counter (creating it as 0), and
+    ``compare_set`` answers like the TCPStore's. A lost etcd raises ``dist.DistNetworkError``
+    (one line), as a lost TCPStore does. Waits use a watch from the revision of the failed
+    check, so no write between the check and the watch is missed and nothing polls.
+    """
 
-        def check(self, keys: list[str]) -> bool:
-            return self._present(keys) is not None
+    def __init__(self, client: Any, prefix: str, timeout: timedelta) -> None:
+        super().__init__()  # the pybind trampoline needs it
+        self.client = client
+        self.prefix = f"/{prefix}/".encode()
+        self.set_timeout(timeout)
 
-        def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
-            if self._present(keys) is not None:
+    def _timeout(self) -> timedelta:
+        # The base class's timeout, which PrefixStore.set_timeout also sets (a pybind
+        # property that torch's stub leaves out).
+        timeout: timedelta = self.timeout  # type: ignore[attr-defined]
+        return timeout
+
+    # -- requests ----------------------------------------------------------------------
+    def _where(self) -> str:
+        return f"etcd at {self.client.host}:{self.client.port}"
+
+    def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        errors = _etcd3gw().exceptions
+        try:
+            reply = self.client.post(self.client.get_url(path), json=payload)
+        except (errors.ConnectionFailedError, errors.ConnectionTimeoutError) as exc:
+            raise dist.DistNetworkError(
+                f"cannot reach {self._where()} ({_one_line(exc)})"
+            ) from None
+        except errors.Etcd3Exception as exc:
+            raise dist.DistStoreError(f"{self._where()}: {_one_line(exc)}") from None
+        assert isinstance(reply, dict), reply
+        return reply
+
+    def _key(self, key: str | bytes) -> bytes:
+        return self.prefix + _as_bytes(key)
+
+    def _range(self, key: bytes) -> tuple[bytes, int] | None:
+        """The key's value and mod revision, or None when it is absent."""
+        kvs = self._post("/kv/range", {"key": _b64(key)}).get("kvs", [])
+        if not kvs:
+            return None
+        return _unb64(kvs[0].get("value", "")), int(kvs[0]["mod_revision"])
+
+    def _all_present(self, keys: Sequence[str | bytes]) -> tuple[bool, int]:
+        """Whether every key exists, and the store's revision when that was read.
+
+        One read-only transaction (etcd serves it without a raft write): a missing key's
+        create revision compares as 0."""
+        compare = [
+            {
+                "key": _b64(self._key(k)),
+                "target": "CREATE",
+                "result": "GREATER",
+                "create_revision": 0,
+            }
+            for k in keys
+        ]
+        reply = self._post("/kv/txn", {"compare": compare, "success": [], "failure": []})
+        # The gateway leaves out fields with default values (a false ``succeeded``).
+        return bool(reply.get("succeeded", False)), int(reply["header"]["revision"])
+
+    def _watch(self, keys: Sequence[str | bytes], start_revision: int, seconds: float) -> None:
+        """Return when a put to a key in the keys' span happens at or after ``start_revision``
+        (or the watch ends or ``seconds`` pass); the caller checks again either way."""
+        import requests
+
+        span = sorted(self._key(k) for k in keys)
+        request = {
+            "create_request": {
+                "key": _b64(span[0]),
+                "range_end": _b64(span[-1] + b"\0"),
+                "start_revision": start_revision,
+                "filters": ["NODELETE"],
+            }
+        }
+        url = self.client.get_url("/watch")
+        try:
+            with self.client.session.post(
+                url, json=request, stream=True, timeout=(self.client.timeout, seconds)
+            ) as reply:
+                if reply.status_code == 200:
+                    for line in reply.iter_lines(chunk_size=None):
+                        if not line.strip():
+                            continue
+                        result = json.loads(line).get("result", {})
+                        if result.get("events"):
+                            return
+                        if not result.get("created", False):
+                            break  # canceled (a compaction) or an error: look again
+        except (requests.RequestException, ValueError):
+            pass  # a read timeout, or etcd gone: the check that follows tells which
+        # Not woken by a write: a short pause, so that a watch refused at once (the check
+        # after it succeeding) cannot spin until the deadline.
+        time.sleep(min(seconds, 0.05))
+
+    # -- the Store interface -----------------------------------------------------------
+    def set(self, key: str | bytes, value: str | bytes) -> None:
+        self._post("/kv/put", {"key": _b64(self._key(key)), "value": _b64(_as_bytes(value))})
+
+    def get(self, key: str) -> bytes:
+        while True:
+            found = self._range(self._key(key))
+            if found is not None:
+                return found[0]
+            self.wait([key])
+
+    def add(self, key: str | bytes, num: int) -> int:
+        k = _b64(self._key(key))
+        value, revision = 0, 0  # an absent key: etcd compares its mod revision as 0
+        if num == 0:
+            # add(key, 0) is how a barrier polls a counter: a read, not a raft write.
+            found = self._range(self._key(key))
+            if found is not None:
+                return int(found[0])
+        while True:
+            new = str(value + num).encode()
+            reply = self._post(
+                "/kv/txn",
+                {
+                    "compare": [
+                        {"key": k, "target": "MOD", "result": "EQUAL", "mod_revision": revision}
+                    ],
+                    "success": [{"request_put": {"key": k, "value": _b64(new)}}],
+                    "failure": [{"request_range": {"key": k}}],
+                },
+            )
+            if reply.get("succeeded", False):
+                return value + num
+            # Another client wrote first: retry from the value and revision it left.
+            kvs = reply["responses"][0]["response_range"].get("kvs", [])
+            if kvs:
+                value, revision = int(_unb64(kvs[0].get("value", ""))), int(kvs[0]["mod_revision"])
+            else:
+                value, revision = 0, 0
+
+    def check(self, keys: list[str]) -> bool:
+        return self._all_present(keys)[0]
+
+    def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
+        timeout = self._timeout() if override_timeout is None else override_timeout
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            present, revision = self._all_present(keys)
+            if present:
                 return
-            try:
-                super().wait(keys, override_timeout)
-            except LookupError as exc:
-                raise dist.DistStoreError(f"etcd store: {exc} {list(keys)}") from None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise dist.DistStoreError(
+                    f"etcd store: wait timeout after {timeout}, keys: {list(keys)}"
+                )
+            self._watch(keys, revision + 1, left)
 
-    return _SpotlineEtcdStore
+    def compare_set(
+        self, key: str | bytes, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
+        k, expected, desired = (
+            _b64(self._key(key)),
+            _as_bytes(expected_value),
+            _as_bytes(desired_value),
+        )
+        # The TCPStore's rule: an empty expected value means "the key is absent".
+        compare: dict[str, Any]
+        if expected:
+            compare = {"key": k, "target": "VALUE", "result": "EQUAL", "value": _b64(expected)}
+        else:
+            compare = {"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": 0}
+        reply = self._post(
+            "/kv/txn",
+            {
+                "compare": [compare],
+                "success": [{"request_put": {"key": k, "value": _b64(desired)}}],
+                "failure": [{"request_range": {"key": k}}],
+            },
+        )
+        if reply.get("succeeded", False):
+            return desired
+        kvs = reply["responses"][0]["response_range"].get("kvs", [])
+        # An absent key with a non-empty expected value: the TCPStore answers the expected one.
+        return _unb64(kvs[0].get("value", "")) if kvs else expected
+
+    def delete_key(self, key: str | bytes) -> bool:
+        reply = self._post("/kv/deleterange", {"key": _b64(self._key(key))})
+        return int(reply.get("deleted", 0)) > 0
+
+    def num_keys(self) -> int:
+        reply = self._post(
+            "/kv/range",
+            {
+                "key": _b64(self.prefix),
+                "range_end": _b64(_prefix_end(self.prefix)),
+                "count_only": True,
+            },
+        )
+        return int(reply.get("count", 0))
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The first key after every key that starts with ``prefix`` (etcd's range_end)."""
+    assert prefix and prefix[-1] < 0xFF, prefix  # a job prefix ends with "/"
+    return prefix[:-1] + bytes([prefix[-1] + 1])
 
 
 def _split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -183,26 +346,32 @@ def _split_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _etcd_store(spec: StoreSpec, timeout: timedelta) -> dist.Store:
-    etcd = _etcd_module()
-    # read_timeout bounds plain requests; EtcdStore's watches pass their own timeout.
-    client = etcd.Client(
-        host=spec.host, port=spec.port, protocol="http", read_timeout=30, allow_reconnect=False
-    )
+def _etcd_client(spec: StoreSpec) -> Any:
+    """An etcd3gw client of the etcd in ``spec``, checked to answer etcd's v3 API."""
+    etcd3gw = _etcd3gw()
+    # timeout bounds plain requests; a wait's watch passes its own read timeout.
+    client = etcd3gw.Etcd3Client(host=spec.host, port=spec.port, protocol="http", timeout=30)
     try:
-        client.read("/")
-    except etcd.EtcdConnectionFailed as exc:
+        client.status()
+    except (
+        etcd3gw.exceptions.ConnectionFailedError,
+        etcd3gw.exceptions.ConnectionTimeoutError,
+    ) as exc:
         raise UserError(
-            f"cannot reach etcd at {spec.host}:{spec.port} ({exc}); start etcd there or "
-            "choose another endpoint"
+            f"cannot reach etcd at {spec.host}:{spec.port} ({_one_line(exc)}); start etcd "
+            "there or choose another endpoint"
         ) from None
-    except etcd.EtcdException as exc:
-        # etcd 3.4 answers 404 on /v2/keys unless the v2 API is enabled.
+    except (etcd3gw.exceptions.Etcd3Exception, ValueError, KeyError) as exc:
+        # Something answers HTTP there, but not etcd's v3 gateway (/version, /v3/...).
         raise UserError(
-            f"etcd at {spec.host}:{spec.port} does not serve the v2 API ({exc}); start it "
-            "with --enable-v2=true"
+            f"{spec.host}:{spec.port} does not serve etcd's v3 API ({_one_line(exc)}); give "
+            "the client URL of an etcd 3.4 or later"
         ) from None
-    return _etcd_store_class()(client, "/" + spec.prefix, timeout)
+    return client
+
+
+def _etcd_store(spec: StoreSpec, timeout: timedelta) -> dist.Store:
+    return EtcdV3Store(_etcd_client(spec), spec.prefix, timeout)
 
 
 def host_store(
@@ -243,12 +412,12 @@ def delete_etcd_prefix(spec: StoreSpec) -> None:
     """Remove a finished job's keys from etcd (the coordinator's cleanup; tcp has none)."""
     if spec.backend != "etcd":
         raise ValueError(f"only an etcd store has keys to delete, got {spec.backend}")
-    etcd = _etcd_module()
-    client = etcd.Client(host=spec.host, port=spec.port, protocol="http", read_timeout=30)
-    try:
-        client.delete("/" + spec.prefix, recursive=True, dir=True)
-    except etcd.EtcdKeyNotFound:
-        pass
+    prefix = f"/{spec.prefix}/".encode()
+    client = _etcd_client(spec)
+    client.post(
+        client.get_url("/kv/deleterange"),
+        json={"key": _b64(prefix), "range_end": _b64(_prefix_end(prefix))},
+    )
 
 
 # -- a private etcd for tests and demos -------------------------------------------------
@@ -312,7 +481,7 @@ def _healthy(client_port: int) -> bool:
 def start_local_etcd(
     data_dir: Path, *, binary: str = ETCD_BINARY, startup_timeout_s: float = 30.0
 ) -> EtcdProcess:
-    """Start a single-member etcd on 127.0.0.1 with the v2 API, wait until healthy.
+    """Start a single-member etcd on 127.0.0.1 (v3 API only), wait until healthy.
 
     Ports are free ones picked now; a port taken between picking and binding makes etcd
     exit, so the start is retried (three times) with new ports. The log goes to
@@ -342,7 +511,6 @@ def start_local_etcd(
             f"--initial-advertise-peer-urls={peer_url}",
             f"--initial-cluster={name}={peer_url}",
             "--initial-cluster-state=new",
-            "--enable-v2=true",
             "--logger=zap",
             "--log-level=warn",
         ]

@@ -6,11 +6,14 @@ its binary is absent.
 
 from __future__ import annotations
 
+import ast
+import http.server
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +27,7 @@ from spotline.stores import (
     EtcdProcess,
     StoreSpec,
     connect_store,
+    delete_etcd_prefix,
     host_store,
     parse_store_arg,
     start_local_etcd,
@@ -130,6 +134,17 @@ def test_etcd_store_semantics(local_etcd: EtcdProcess) -> None:
     assert other_spec.prefix != spec.prefix
     assert not other.check(["plan/0"])
     assert other.add("prepared/0/3", 1) == 1
+    # The rest of c10d's Store interface, which v3 adds (torch's v2 EtcdStore lacked it),
+    # answering as the TCPStore does.
+    assert other.num_keys() == 1
+    assert other.compare_set("cas", "", "a") == b"a"  # "" expects an absent key
+    assert other.compare_set("cas", "b", "c") == b"a"  # a mismatch answers the value
+    assert other.compare_set("cas", "a", "d") == b"d"
+    assert other.compare_set("absent", "x", "y") == b"x" and not other.check(["absent"])
+    assert other.delete_key("cas") and not other.delete_key("cas")
+    assert other.num_keys() == 1 and master.check(["plan/0"])
+    delete_etcd_prefix(other_spec)  # the coordinator's cleanup: this job's keys only
+    assert other.num_keys() == 0 and master.check(["plan/0"])
 
 
 @needs_etcd
@@ -140,6 +155,19 @@ def test_etcd_endpoint_without_server_is_a_user_error(local_etcd: EtcdProcess) -
     local_etcd.stop()
     with pytest.raises(UserError, match="cannot reach etcd"):
         host_store("etcd", etcd_endpoint=f"127.0.0.1:{port}")
+
+
+def test_an_endpoint_that_is_not_etcd_is_a_user_error() -> None:
+    """An HTTP server that is not etcd's v3 gateway (an etcd 3.6 has no v2 API either)."""
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(UserError, match="does not serve etcd's v3 API"):
+            host_store("etcd", etcd_endpoint=f"127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 GLOO_WORKER = textwrap.dedent(
@@ -164,17 +192,22 @@ GLOO_WORKER = textwrap.dedent(
     t = torch.tensor([float(rank + 1), 10.0 * (rank + 1)])
     dist.all_reduce(t)
     dist.barrier()
+    # Both ranks leave the barrier together and race on one counter (v3: a transaction on
+    # the key's mod revision; a lost update or a repeated value would show in the results).
+    seen = [store.add("race/counter", 1) for _ in range(int(sys.argv[3]))]
     dist.destroy_process_group()
+    store.set(f"race/{rank}", repr(seen))
     store.set(f"result/{rank}", repr(t.tolist()))
     """
 )
+RACE_ADDS = 40
 
 
 def _run_workers(arg: str) -> list[subprocess.CompletedProcess[str]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", GLOO_WORKER, arg, str(rank)],
+            [sys.executable, "-c", GLOO_WORKER, arg, str(rank), str(RACE_ADDS)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -207,6 +240,11 @@ def test_gloo_all_reduce_over_an_etcd_prefix_store(local_etcd: EtcdProcess) -> N
         assert result.returncode == 0, f"rank {rank}:\n{result.stdout[-3000:]}"
     for rank in range(2):
         assert master.get(f"result/{rank}") == b"[3.0, 30.0]"
+    # Concurrent adds from two processes are exact: every total is returned exactly once.
+    seen = [ast.literal_eval(master.get(f"race/{rank}").decode()) for rank in range(2)]
+    assert all(values == sorted(values) for values in seen)
+    assert sorted(seen[0] + seen[1]) == list(range(1, 2 * RACE_ADDS + 1))
+    assert master.get("race/counter") == str(2 * RACE_ADDS).encode()
 
 
 @needs_etcd
