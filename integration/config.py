@@ -117,7 +117,7 @@ class RecoverySection:
     mode: RecoveryMode = "failover"
     # The membership store: a TCPStore hosted by the coordinator, or an etcd cluster.
     store: StoreBackend = "tcp"
-    etcd_endpoint: str | None = None  # host:port of etcd (v2 API enabled) for store "etcd"
+    etcd_endpoint: str | None = None  # host:port of etcd (v3 API) for store "etcd"
     # A worker whose heartbeat is older than this is presumed hung and is killed.
     heartbeat_timeout_s: float = 5.0
     # A preempted (SIGTERM) worker leaves at the next step boundary, or after this long.

@@ -114,7 +114,8 @@ def add_recovery_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--store", help="membership store: tcp (hosted by the coordinator) or etcd")
     parser.add_argument(
-        "--etcd-endpoint", help="host:port of an etcd cluster (v2 API enabled) for --store etcd"
+        "--etcd-endpoint",
+        help="host:port of an etcd cluster (its v3 API; etcd 3.4 or later) for --store etcd",
     )
     parser.add_argument(
         "--rescale",
