@@ -87,8 +87,8 @@ class Coordinator:
         self.sl = cfg.spotline
         self.output = output
         t0 = time.monotonic()
-        # The one import that loads torch in this process: the job store is torch.distributed's
-        # (a TCPStore server; the etcd store subclasses dist.Store). Nothing else the
+        # The only reason this process holds torch: the job store is torch.distributed's (a
+        # TCPStore server; the etcd store subclasses dist.Store). Nothing else the
         # coordinator runs imports torch, DeepSpeed or transformers (summary.json's
         # "coordinator_heavy_modules" lists what it loaded; a slow test checks it).
         from spotline.stores import host_store
