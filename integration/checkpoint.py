@@ -33,6 +33,10 @@ Reading: :func:`latest_complete` finds the newest checkpoint whose every file ve
 and SHA-256), skipping corrupt or partial ones with a logged warning; :func:`load` and
 :func:`load_all` verify again on the bytes they read and raise :class:`CheckpointError` on
 a mismatch.
+
+What reads and writes no tensor (step directories, the manifest's commit and checks, the
+Young/Daly interval) is :mod:`spotline.checkpoint_manifest`, re-exported here: the
+coordinator imports that half only, so that it never loads torch for its checkpoints.
 """
 
 from __future__ import annotations
@@ -41,13 +45,8 @@ import copy
 import hashlib
 import io
 import json
-import logging
-import math
 import os
-import re
-import shutil
 import threading
-import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Collection
@@ -57,37 +56,39 @@ from typing import Any
 
 import torch
 
-from spotline.tracking import write_bytes_atomic
+from spotline.checkpoint_manifest import (
+    MANIFEST,
+    MANIFEST_FORMAT,
+    CheckpointError,
+    check_label,
+    check_step,
+    commit_manifest,
+    fsync_dir,
+    interval_steps,
+    latest_complete,
+    read_manifest,
+    read_metadata,
+    sha256_file,
+    step_dir,
+    verify_checkpoint,
+    write_atomic,
+    young_daly_interval_s,
+)
 
-log = logging.getLogger(__name__)
-
-MANIFEST = "MANIFEST.json"
-MANIFEST_FORMAT = 1
-_STEP_DIR_RE = re.compile(r"^step-([0-9]{8,})$")
-_LABEL_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
-_HASH_CHUNK = 1 << 20
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or does not match its manifest."""
-
-
-def step_dir(root: Path, step: int) -> Path:
-    """The directory of ``step``'s checkpoint: ``root/step-{step:08d}``."""
-    return Path(root) / f"step-{step:08d}"
-
-
-def _check_label(rank_label: str) -> None:
-    if not _LABEL_RE.match(rank_label) or rank_label.upper() == "MANIFEST":
-        raise ValueError(
-            f"rank label {rank_label!r} must be a plain file name (letters, digits, '_', '-', "
-            "'.'; not starting with '.'; not 'MANIFEST'), e.g. 'rank0' or 's1'"
-        )
-
-
-def _check_step(step: int) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ValueError(f"checkpoint step must be an integer >= 0, got {step!r}")
+__all__ = [
+    "MANIFEST",
+    "MANIFEST_FORMAT",
+    "CheckpointError",
+    "CheckpointWriter",
+    "interval_steps",
+    "latest_complete",
+    "load",
+    "load_all",
+    "read_metadata",
+    "step_dir",
+    "verify_checkpoint",
+    "young_daly_interval_s",
+]
 
 
 def _to_cpu(value: Any) -> Any:
@@ -108,45 +109,10 @@ def _to_cpu(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    # The rename is durable only once the directory entry is on disk.
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _temp_path(path: Path) -> Path:
     """A fresh hidden name beside ``path``, unique across processes and threads. Opened with
     ``open(..., "xb")`` rather than mkstemp, so the file gets the umask's mode (not 0600)."""
     return path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp"
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` atomically (temp file, fsync, rename), then fsync the directory."""
-    write_bytes_atomic(path, data)
-    _fsync_dir(path.parent)
-
-
-def _step_dirs(root: Path) -> list[tuple[int, Path]]:
-    """Every ``step-*`` directory under ``root``, oldest step first."""
-    if not Path(root).is_dir():
-        return []
-    found = []
-    for entry in Path(root).iterdir():
-        match = _STEP_DIR_RE.match(entry.name)
-        if match and entry.is_dir():
-            found.append((int(match.group(1)), entry))
-    return sorted(found)
 
 
 class CheckpointWriter:
@@ -181,8 +147,8 @@ class CheckpointWriter:
         """Copy ``state``'s tensors to CPU now, write ``root/step-{step:08d}/{rank_label}.pt``
         and its ``.meta.json`` (size, SHA-256) in the background. Returns once the copy is
         made; the caller may change its tensors from then on."""
-        _check_step(step)
-        _check_label(rank_label)
+        check_step(step)
+        check_label(rank_label)
         snapshot = _to_cpu(state)
         future = self._executor.submit(self._write_reporting, step, rank_label, snapshot)
         with self._lock:
@@ -214,16 +180,16 @@ class CheckpointWriter:
                 handle.flush()
                 os.fsync(handle.fileno())
             # Hash what is on disk (from the page cache), not what we meant to write.
-            sha256 = _sha256_file(tmp_path)
+            sha256 = sha256_file(tmp_path)
             size = os.path.getsize(tmp_path)
             os.replace(tmp_path, path)
         except BaseException:
             tmp_path.unlink(missing_ok=True)
             raise
-        _fsync_dir(directory)
+        fsync_dir(directory)
         # The sidecar comes last: its presence means the .pt file is complete.
         meta = {"file": path.name, "size": size, "sha256": sha256}
-        _write_atomic(directory / f"{rank_label}.meta.json", json.dumps(meta).encode())
+        write_atomic(directory / f"{rank_label}.meta.json", json.dumps(meta).encode())
 
     def wait(self) -> None:
         """Block until every write asked of this writer is on disk; re-raise the first error."""
@@ -246,61 +212,21 @@ class CheckpointWriter:
     ) -> bool:
         """Write ``step``'s MANIFEST.json if every expected rank's file is in place, then prune.
 
-        Joins this process's own pending writes first. Returns False (and writes nothing)
-        when some expected label has no file yet; True once the manifest is written (or was
-        already there). Call it in one designated process only, after a barrier that follows
-        every rank's :meth:`wait`. ``metadata`` (JSON) is kept in the manifest, read back by
-        :func:`read_metadata`.
+        Joins this process's own pending writes first, then is
+        :func:`~spotline.checkpoint_manifest.commit_manifest` with this writer's ``keep``:
+        returns False (and writes nothing) when some expected label has no file yet; True
+        once the manifest is written (or was already there). Call it in one designated
+        process only, after a barrier that follows every rank's :meth:`wait`. ``metadata``
+        (JSON) is kept in the manifest, read back by :func:`read_metadata`.
         """
-        _check_step(step)
+        check_step(step)
         labels = sorted(set(expected_labels))
         if not labels:
             raise ValueError("commit needs at least one expected rank label")
         for label in labels:
-            _check_label(label)
+            check_label(label)
         self.wait()
-        directory = step_dir(self.root, step)
-        if (directory / MANIFEST).exists():
-            return True
-        files: dict[str, dict[str, Any]] = {}
-        for label in labels:
-            meta_path = directory / f"{label}.meta.json"
-            if not meta_path.exists():
-                return False
-            meta = json.loads(meta_path.read_text())
-            data_path = directory / meta["file"]
-            # A size check is cheap; the full hash is verified by readers.
-            if not data_path.exists() or data_path.stat().st_size != meta["size"]:
-                raise CheckpointError(
-                    f"{data_path}: size differs from its sidecar {meta_path.name}; "
-                    "the file was changed after it was written"
-                )
-            files[label] = {"file": meta["file"], "size": meta["size"], "sha256": meta["sha256"]}
-        manifest = {
-            "format": MANIFEST_FORMAT,
-            "step": step,
-            "time": time.time(),
-            "files": files,
-            "metadata": metadata or {},
-        }
-        _write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1).encode())
-        self._prune()
-        return True
-
-    def _prune(self) -> None:
-        dirs = _step_dirs(self.root)
-        complete = [(step, path) for step, path in dirs if (path / MANIFEST).exists()]
-        if not complete:
-            return
-        newest_complete = complete[-1][0]
-        kept = {step for step, _ in complete[-self.keep :]}
-        for step, path in dirs:
-            is_complete = (path / MANIFEST).exists()
-            if (is_complete and step not in kept) or (not is_complete and step < newest_complete):
-                # Remove the manifest first: a crash mid-delete leaves an incomplete
-                # directory, never a "complete" one with files missing.
-                (path / MANIFEST).unlink(missing_ok=True)
-                shutil.rmtree(path, ignore_errors=True)
+        return commit_manifest(self.root, step, labels, keep=self.keep, metadata=metadata)
 
     def close(self) -> None:
         """Wait for pending writes and stop the background thread."""
@@ -310,59 +236,6 @@ class CheckpointWriter:
             self._executor.shutdown(wait=True)
 
 
-def _read_manifest(root: Path, step: int) -> dict[str, Any]:
-    path = step_dir(root, step) / MANIFEST
-    try:
-        manifest: dict[str, Any] = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"checkpoint step {step} under {root} has no {MANIFEST}: it is incomplete"
-        ) from None
-    except (OSError, ValueError) as error:
-        raise CheckpointError(f"{path}: unreadable manifest: {error}") from None
-    if manifest.get("step") != step or not isinstance(manifest.get("files"), dict):
-        raise CheckpointError(f"{path}: manifest is not a manifest of step {step}")
-    return manifest
-
-
-def read_metadata(root: Path, step: int) -> dict[str, Any]:
-    """The ``metadata`` committed with ``step``'s manifest (empty if none was given)."""
-    metadata: dict[str, Any] = _read_manifest(root, step).get("metadata", {})
-    return metadata
-
-
-def verify_checkpoint(root: Path, step: int) -> list[str]:
-    """What is wrong with ``step``'s checkpoint: an empty list when its manifest exists and
-    every listed file has the recorded size and SHA-256."""
-    try:
-        manifest = _read_manifest(root, step)
-    except CheckpointError as error:
-        return [str(error)]
-    problems = []
-    directory = step_dir(root, step)
-    for label, entry in sorted(manifest["files"].items()):
-        path = directory / entry["file"]
-        if not path.exists():
-            problems.append(f"{path}: missing (rank {label})")
-        elif path.stat().st_size != entry["size"]:
-            problems.append(f"{path}: {path.stat().st_size} bytes, manifest says {entry['size']}")
-        elif _sha256_file(path) != entry["sha256"]:
-            problems.append(f"{path}: SHA-256 differs from the manifest")
-    return problems
-
-
-def latest_complete(root: Path) -> int | None:
-    """The newest step under ``root`` whose manifest exists and whose files verify; None if
-    there is none. Partial (no manifest) and corrupt checkpoints are skipped, each with a
-    warning on this module's logger."""
-    for step, path in reversed(_step_dirs(root)):
-        problems = verify_checkpoint(root, step)
-        if not problems:
-            return step
-        log.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
-    return None
-
-
 def load(root: Path, step: int, rank_label: str, *, weights_only: bool = True) -> dict[str, Any]:
     """Read one rank's state of ``step``, checking its SHA-256 against the manifest.
 
@@ -370,8 +243,8 @@ def load(root: Path, step: int, rank_label: str, *, weights_only: bool = True) -
     ``weights_only`` is passed to ``torch.load`` (True accepts tensors and plain Python
     containers and numbers; set it False only for files you trust that hold other objects).
     """
-    _check_label(rank_label)
-    manifest = _read_manifest(root, step)
+    check_label(rank_label)
+    manifest = read_manifest(root, step)
     entry = manifest["files"].get(rank_label)
     if entry is None:
         raise CheckpointError(
@@ -396,26 +269,8 @@ def load(root: Path, step: int, rank_label: str, *, weights_only: bool = True) -
 
 def load_all(root: Path, step: int, *, weights_only: bool = True) -> dict[str, dict[str, Any]]:
     """Every rank's state of ``step``, by rank label, each verified as in :func:`load`."""
-    manifest = _read_manifest(root, step)
+    manifest = read_manifest(root, step)
     return {
         label: load(root, step, label, weights_only=weights_only)
         for label in sorted(manifest["files"])
     }
-
-
-def young_daly_interval_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
-    """The Young/Daly checkpoint interval ``sqrt(2 * C * MTBF)`` in seconds: the period that
-    minimises checkpoint cost plus expected lost work, for a checkpoint that costs
-    ``checkpoint_cost_s`` and fatal losses ``mtbf_s`` apart on average."""
-    for name, value in (("checkpoint_cost_s", checkpoint_cost_s), ("mtbf_s", mtbf_s)):
-        if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{name} must be finite and > 0, got {value}")
-    return math.sqrt(2.0 * checkpoint_cost_s * mtbf_s)
-
-
-def interval_steps(step_time_s: float, checkpoint_cost_s: float, mtbf_s: float) -> int:
-    """The Young/Daly interval in whole steps: ``floor(interval / step_time_s)``, at least 1
-    (rounding down checkpoints no later than the optimum)."""
-    if not math.isfinite(step_time_s) or step_time_s <= 0:
-        raise ValueError(f"step_time_s must be finite and > 0, got {step_time_s}")
-    return max(1, math.floor(young_daly_interval_s(checkpoint_cost_s, mtbf_s) / step_time_s))

@@ -154,15 +154,13 @@ def _prepare_run(args: argparse.Namespace) -> tuple[Any, Path, int | None]:
         cfg, output = resume_config(args)
     else:
         cfg, output = _new_run_config(args)
-    # Importing torch/transformers costs seconds; it buys a one-line error before any
-    # process starts for a missing model directory or a corpus too small for a batch.
-    t_startup = time.perf_counter()
-    from spotline.trainer import prepare_inputs
+    # A one-line error before any worker starts for a missing model directory or a corpus
+    # too small for a batch, checked in a child process: this one, the coordinator's,
+    # never loads transformers or DeepSpeed. Its wall time (what a worker does before it
+    # can join) is a lower bound of a worker's start-up.
+    from spotline.launch.control.inputs import check_inputs
 
-    prepare_inputs(cfg)
-    # What a worker does before it can join (these imports, the corpus), measured: a
-    # lower bound of its start-up (it also forms a process group and builds an engine).
-    validate_recovery(cfg, startup_s=time.perf_counter() - t_startup)
+    validate_recovery(cfg, startup_s=check_inputs(cfg))
     resume_from = _resume_step(cfg, output) if args.resume is not None else None
     try:
         output.mkdir(parents=True, exist_ok=True)
@@ -197,7 +195,7 @@ def _new_run_config(args: argparse.Namespace) -> tuple[Any, Path]:
 
 def _resume_step(cfg: Any, output: Path) -> int | None:
     """The last committed checkpoint a resume continues from (None: step 0), said on stderr."""
-    from spotline.checkpoint import latest_complete
+    from spotline.checkpoint_manifest import latest_complete
 
     root = cfg.checkpoint_root(output)
     resume_from = latest_complete(root) if root.is_dir() else None

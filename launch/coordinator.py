@@ -16,6 +16,10 @@ recovery policy (:mod:`~spotline.launch.control.recovery`), checkpoint commits
 (:mod:`~spotline.launch.control.checkpoints`) and the run's metrics and summary
 (:mod:`~spotline.launch.control.metrics`).
 
+It never trains, and never loads what training needs: no DeepSpeed, no transformers, not
+the tensor half of the checkpoints (it reads and commits manifests through
+:mod:`spotline.checkpoint_manifest`); torch only for the store.
+
 A worker that exits with an error, or reports one, is not a preemption: the job stops and
 says why (``JobError``). A first Ctrl-C (``request_stop``) stops the job at the next step
 boundary that has a checkpoint (``Stopped``); the second one is the caller's to handle.
@@ -29,6 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from spotline.checkpoint_manifest import read_metadata
 from spotline.config import RunConfig
 from spotline.launch.control.checkpoints import CheckpointCommits
 from spotline.launch.control.faults import FaultDelivery
@@ -82,7 +87,10 @@ class Coordinator:
         self.sl = cfg.spotline
         self.output = output
         t0 = time.monotonic()
-        # Lazily: hosting the store is torch's (TCPStore) or python-etcd's.
+        # The only reason this process holds torch: the job store is torch.distributed's (a
+        # TCPStore server; the etcd store subclasses dist.Store). Nothing else the
+        # coordinator runs imports torch, DeepSpeed or transformers (summary.json's
+        # "coordinator_heavy_modules" lists what it loaded; a slow test checks it).
         from spotline.stores import host_store
 
         rec = self.sl.recovery
@@ -124,8 +132,6 @@ class Coordinator:
         self.stop_target: int | None = None
         self.stop_applied: set[int] = set()  # generations told about the stop
         if resume_from is not None:
-            from spotline.checkpoint import read_metadata
-
             metadata = read_metadata(cfg.checkpoint_root(output), resume_from)
             for step, loss in metadata.get("losses", {}).items():
                 self.metrics.losses[int(step)] = loss
@@ -374,24 +380,8 @@ class Coordinator:
             )
             return "continue"
         reports = self._collect_reports(g, expected)
-        for report in reports.values():
-            self.metrics.take_report(report)
+        self._take_reports(reports)
         outcomes = {w: r.outcome for w, r in reports.items()}
-        failed = sorted(
-            f"worker {w}: {r.error}" for w, r in reports.items() if r.outcome == "error"
-        )
-        if failed:
-            # Not a lost process: a full disk, an export error, a bug. Redoing the work
-            # would repeat it; stop with the cause.
-            raise JobError(failed[0])
-        self.checkpoints.poll_errors()
-        errors = sorted({str(r.error) for r in reports.values() if r.outcome == "non-finite"})
-        if errors:
-            # Not a failure to recover from: the same step would give the same gradients.
-            raise RuntimeError(
-                f"{errors[0]}; the step was not applied. Lower the learning rate, enable "
-                "gradient_clipping or check the data"
-            )
         members = self.members()
         if members and all(outcomes.get(w) == "done" for w in members):
             return "done"
@@ -413,18 +403,44 @@ class Coordinator:
             and (w in included or w in self.joined_waiting())
         ]
         failure = any(o == "failed" for o in outcomes.values())
-        if failure and self.metrics.pending_failure_t is None:
-            # Every member failed but no process was lost: an error in the training itself
-            # (a model or optimizer error), which redoing the step would only repeat.
-            self.failures_without_loss += 1
-            if self.failures_without_loss >= 2:
-                error = next((r.error for r in reports.values() if r.error), "unknown")
-                raise RuntimeError(f"training failed twice with no process lost: {error}")
-        elif failure:
-            self.failures_without_loss = 0
+        if failure:
+            self._count_failure(reports)
         self.generation = g + 1
         self._plan_next(live_reports, failure=failure, reached=reached)
         return "continue"
+
+    def _take_reports(self, reports: dict[str, Report]) -> None:
+        """Record the generation's reports; stop the job on one that redoing cannot fix."""
+        for report in reports.values():
+            self.metrics.take_report(report)
+        failed = sorted(
+            f"worker {w}: {r.error}" for w, r in reports.items() if r.outcome == "error"
+        )
+        if failed:
+            # Not a lost process: a full disk, an export error, a bug. Redoing the work
+            # would repeat it; stop with the cause.
+            raise JobError(failed[0])
+        self.checkpoints.poll_errors()
+        errors = sorted({str(r.error) for r in reports.values() if r.outcome == "non-finite"})
+        if errors:
+            # Not a failure to recover from: the same step would give the same gradients.
+            raise RuntimeError(
+                f"{errors[0]}; the step was not applied. Lower the learning rate, enable "
+                "gradient_clipping or check the data"
+            )
+
+    def _count_failure(self, reports: dict[str, Report]) -> None:
+        """A generation failed: a second failure with no process lost (since the last one that
+        lost one) stops the job."""
+        if self.metrics.pending_failure_t is not None:
+            self.failures_without_loss = 0
+            return
+        # Every member failed but no process was lost: an error in the training itself
+        # (a model or optimizer error), which redoing the step would only repeat.
+        self.failures_without_loss += 1
+        if self.failures_without_loss >= 2:
+            error = next((r.error for r in reports.values() if r.error), "unknown")
+            raise RuntimeError(f"training failed twice with no process lost: {error}")
 
     def _collect_reports(self, g: int, expected: set[str]) -> dict[str, Report]:
         """Run generation ``g`` until every expected worker has reported or is gone: deliver
@@ -433,42 +449,12 @@ class Coordinator:
         reports: dict[str, Report] = {}
         sup = self.supervisor
         while True:
-            died = sup.poll()
-            for w in died:
-                if sup[w].fate in ("killed", "crashed") and w in self.members():
-                    self.metrics.pending_failure_t = (
-                        self.metrics.pending_failure_t or self.metrics.now()
-                    )
-                    # Members waiting in the commit barrier leave it at once.
-                    self.store.set(abort_key(g), w)
-            sup.check_heartbeats(self.sl.recovery.heartbeat_timeout_s)
-            self._check_stalled()
-            self.faults.deliver()
-            self._admit_joiners()
-            self._apply_stop()
-            self.checkpoints.poll_errors()
-            self.metrics.show_progress(done=self.max_progress())
-            self.metrics.record_throughput()
-            if time.monotonic() - self.last_commit_check > 0.5:
-                # Checkpoints are committed while a generation runs, not only when it ends.
-                self.last_commit_check = time.monotonic()
-                self.checkpoints.commit(last=self.max_progress() + 1)
-            for w in sup.live_ids():
-                if self.store.check([leaving_key(w)]) and sup[w].fate in ("running", "terminated"):
-                    if sup[w].fate == "running":
-                        self.metrics.preemptions += 1  # a SIGTERM the worker delivered to itself
-                    sup[w].fate = "left"
-                    self.metrics.event("leaving", worker=w)
-                    self.request_boundary()
-            for w in list(expected | set(sup.live_ids())):
-                key = report_key(g, w)
-                if w not in reports and self.store.check([key]):
-                    reports[w] = Report.decode(self.store.get(key))
-                    if w in self.members():
-                        # Only a member's report means the generation has ended: a standby
-                        # reports at once and must not start the clock on the members,
-                        # who may rightly train for hours.
-                        first_report_t = first_report_t or self.metrics.now()
+            self._watch_workers(g)
+            if self._read_reports(g, expected, reports):
+                # Only a member's report means the generation has ended: a standby reports
+                # at once and must not start the clock on the members, who may rightly
+                # train for hours.
+                first_report_t = first_report_t or self.metrics.now()
             waiting_on = [w for w in expected if sup[w].alive and w not in reports]
             if not waiting_on and expected:
                 break
@@ -483,6 +469,47 @@ class Coordinator:
             time.sleep(POLL_S)
         self.generation_end_t = first_report_t
         return reports
+
+    def _watch_workers(self, g: int) -> None:
+        """One turn of generation ``g``'s watch: exits, heartbeats, the stall limit, faults,
+        arrivals, a stop, checkpoint errors and commits, progress, departures."""
+        sup = self.supervisor
+        for w in sup.poll():
+            if sup[w].fate in ("killed", "crashed") and w in self.members():
+                self.metrics.pending_failure_t = (
+                    self.metrics.pending_failure_t or self.metrics.now()
+                )
+                # Members waiting in the commit barrier leave it at once.
+                self.store.set(abort_key(g), w)
+        sup.check_heartbeats(self.sl.recovery.heartbeat_timeout_s)
+        self._check_stalled()
+        self.faults.deliver()
+        self._admit_joiners()
+        self._apply_stop()
+        self.checkpoints.poll_errors()
+        self.metrics.show_progress(done=self.max_progress())
+        self.metrics.record_throughput()
+        if time.monotonic() - self.last_commit_check > 0.5:
+            # Checkpoints are committed while a generation runs, not only when it ends.
+            self.last_commit_check = time.monotonic()
+            self.checkpoints.commit(last=self.max_progress() + 1)
+        for w in sup.live_ids():
+            if self.store.check([leaving_key(w)]) and sup[w].fate in ("running", "terminated"):
+                if sup[w].fate == "running":
+                    self.metrics.preemptions += 1  # a SIGTERM the worker delivered to itself
+                sup[w].fate = "left"
+                self.metrics.event("leaving", worker=w)
+                self.request_boundary()
+
+    def _read_reports(self, g: int, expected: set[str], reports: dict[str, Report]) -> bool:
+        """Add generation ``g``'s new reports to ``reports``; whether a member's is among them."""
+        member_reported = False
+        for w in list(expected | set(self.supervisor.live_ids())):
+            key = report_key(g, w)
+            if w not in reports and self.store.check([key]):
+                reports[w] = Report.decode(self.store.get(key))
+                member_reported = member_reported or w in self.members()
+        return member_reported
 
     def _plan_next(self, reports: list[WorkerReport], *, failure: bool, reached: int) -> None:
         """The next generation: awaited arrivals first, then the recovery policy (a failure)

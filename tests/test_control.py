@@ -110,3 +110,45 @@ def test_a_fatal_loss_without_a_checkpoint_starts_over(tmp_path: Path) -> None:
     kinds = [e.kind for e in metrics.events]
     assert kinds[-3:] == ["fatal-loss", "restart-from-scratch", "recovered"]
     assert [e["in_memory"] for e in metrics.recovery_events] == [False]
+
+
+def test_the_coordinator_commits_the_workers_files_and_finds_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    """The coordinator's half of a checkpoint (spotline.checkpoint_manifest, no torch): it
+    commits a step once every stage's file and sidecar is there, with the losses and
+    learning rates before it, and finds it again (a changed file is skipped)."""
+    import hashlib
+    import json
+
+    from spotline.checkpoint_manifest import read_metadata, step_dir
+    from spotline.protocol import loss_key, lr_key
+
+    cfg = _cfg()
+    store = DictStore()
+    metrics = RunMetrics(cfg, store, snapshot=lambda: (0, 4, {}))
+    checkpoints = CheckpointCommits(cfg, store, metrics, tmp_path, interval_steps=2)
+    for s, (loss, lr) in enumerate([(2.5, 0.001), (2.25, 0.002)]):
+        store.set(loss_key(s), str(loss))
+        store.set(lr_key(s), str(lr))
+    directory = step_dir(cfg.checkpoint_root(tmp_path), 2)
+    directory.mkdir(parents=True)
+    checkpoints.commit(last=2)
+    assert checkpoints.committed == set() and checkpoints.latest() is None  # nothing written
+    for label in ("stage-0", "stage-1"):
+        data = label.encode() * 3  # what a worker's torch.save wrote, as bytes
+        (directory / f"{label}.pt").write_bytes(data)
+        meta = {
+            "file": f"{label}.pt",
+            "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+        }
+        (directory / f"{label}.meta.json").write_text(json.dumps(meta))
+    checkpoints.commit(last=2)
+    assert checkpoints.committed == {2} and checkpoints.latest() == 2
+    assert read_metadata(checkpoints.root, 2) == {
+        "losses": {"0": 2.5, "1": 2.25},
+        "learning_rates": {"0": 0.001, "1": 0.002},
+    }
+    (directory / "stage-1.pt").write_bytes(b"stage-1" * 3 + b"!")
+    assert checkpoints.latest() is None

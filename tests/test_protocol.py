@@ -224,6 +224,7 @@ def test_the_coordinator_imports_no_torch_deepspeed_or_transformers() -> None:
         "import sys\n"
         "import spotline.launch.coordinator\n"
         "import spotline.launch.control.recovery\n"
+        "import spotline.launch.control.inputs\n"
         "heavy = sorted(m for m in sys.modules\n"
         "               if m.split('.')[0] in ('torch', 'deepspeed', 'transformers'))\n"
         "assert not heavy, heavy\n"

@@ -120,6 +120,9 @@ def test_adjacent_workers_lost_together_fall_back_to_the_checkpoint(
     fallback = [e for e in summary["events"] if e["kind"] == "checkpoint-fallback"]
     assert fallback and fallback[0]["step"] == 4  # then steps 4.. are replayed deterministically
     assert summary["steps_redone"] >= 1
+    # The coordinator committed, found and read that checkpoint without the training code:
+    # its process held torch (the store's) and nothing else heavy.
+    assert summary["coordinator_heavy_modules"] == ["torch"]
 
 
 def test_checkpoint_restart_baseline_gives_the_same_result(spotline_train, baselines) -> None:

@@ -7,8 +7,11 @@
   policies (``failover``, ``checkpoint-restart``) behind one interface.
 - :mod:`.checkpoints`: committing the checkpoints the workers write, and their write errors.
 - :mod:`.metrics`: the run's counters, timeline, progress lines and ``summary.json``.
+- :mod:`.inputs`: the user's model and corpus, checked in a child process before any
+  worker starts.
 
 Each part talks to the workers only through :mod:`spotline.protocol`. None imports torch,
 DeepSpeed or transformers (a test checks it): the coordinator is the process that never
-trains.
+trains. Its process loads torch only for the job store (:mod:`spotline.stores`: torch's
+TCPStore, or an etcd store that subclasses torch's ``Store``).
 """

@@ -3,7 +3,9 @@
 Workers write each stage's file of a checkpoint (pipeline 0, in a background thread); the
 coordinator commits a step (writes its manifest, with the losses and learning rates of the
 steps before it, so that a resumed run's summary has every step) once every stage's file is
-there. A worker that cannot write a file says so in the store
+there. Only the manifest half of the checkpoints is read here
+(:mod:`spotline.checkpoint_manifest`, no torch): the workers wrote every file and its
+sidecar already. A worker that cannot write a file says so in the store
 (:class:`~spotline.protocol.CheckpointWriteError` under ``checkpoint-error/<n>``); such a
 step is never committed, and ``checkpoints.on_write_error`` decides whether the job stops
 (:class:`~spotline.launch.control.supervisor.JobError`) or trains on without it.
@@ -14,6 +16,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from spotline.checkpoint_manifest import MANIFEST, commit_manifest, latest_complete, step_dir
 from spotline.config import RunConfig
 from spotline.launch.control.metrics import RunMetrics
 from spotline.launch.control.supervisor import JobError
@@ -76,10 +79,7 @@ class CheckpointCommits:
         due -= self.committed | self.failed
         if not due:
             return
-        # Lazily: spotline.checkpoint reads and writes tensors (torch), a commit does not.
-        from spotline.checkpoint import CheckpointWriter, step_dir
-
-        writer = CheckpointWriter(self.root, self.cfg.spotline.checkpoints.keep)
+        keep = self.cfg.spotline.checkpoints.keep
         labels = [f"stage-{s}" for s in range(self.cfg.num_stages)]
         for step in sorted(due):
             directory = step_dir(self.root, step)
@@ -97,16 +97,14 @@ class CheckpointCommits:
                 )
             }
             try:
-                if writer.commit(step, labels, metadata=metadata):
+                if commit_manifest(self.root, step, labels, keep=keep, metadata=metadata):
                     self.committed.add(step)
             except OSError as exc:
-                path = step_dir(self.root, step) / "MANIFEST.json"
+                path = step_dir(self.root, step) / MANIFEST
                 self.write_failed(CheckpointWriteError(step, str(path), str(exc), "coordinator"))
 
     def latest(self) -> int | None:
         """The newest complete checkpoint on disk (None: none)."""
         if not self.root.exists():
             return None
-        from spotline.checkpoint import latest_complete
-
         return latest_complete(self.root)

@@ -37,6 +37,19 @@ from spotline.report import Timeline, summarize_recoveries
 
 THROUGHPUT_EVERY_S = 1.0
 
+# The heavy modules a process may hold, listed in summary.json as those the coordinator's
+# process loaded ("coordinator_heavy_modules"): torch alone, and only for the job store
+# (torch.distributed's TCPStore; the etcd store subclasses its Store). The coordinator never
+# trains, so it never loads the others (a slow test checks it at the end of a real run).
+HEAVY_MODULES = (
+    "torch",
+    "deepspeed",
+    "transformers",
+    "spotline.checkpoint",
+    "spotline.engine",
+    "spotline.models",
+)
+
 Snapshot = Callable[[], tuple[int, int, Mapping[str, str]]]
 """(the step reached, live workers, placement: worker -> what it runs) at this moment."""
 
@@ -276,6 +289,7 @@ class RunMetrics:
             "reconfigurations": self.reconfigurations,
             "recovery_summary": rec,
             "generations": generations,
+            "coordinator_heavy_modules": [m for m in HEAVY_MODULES if m in sys.modules],
             "events": [{"t_s": round(e.t_s, 3), "kind": e.kind, **e.detail} for e in self.events],
         }
 

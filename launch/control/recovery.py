@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import ClassVar, Protocol
 
+from spotline.checkpoint_manifest import interval_steps
 from spotline.config import RunConfig
 from spotline.launch.control.checkpoints import CheckpointCommits
 from spotline.launch.control.metrics import RunMetrics
@@ -363,9 +364,6 @@ class CheckpointRestartPolicy(RecoveryPolicy):
             return given
         if mtbf_s is None:
             return 0
-        # Lazily: spotline.checkpoint reads and writes tensors (torch); this is arithmetic.
-        from spotline.checkpoint import interval_steps
-
         rec = cfg.spotline.recovery
         return interval_steps(rec.step_time_estimate_s, rec.checkpoint_cost_s, max(mtbf_s, 1e-3))
 

@@ -1,0 +1,76 @@
+"""The user's model and corpus, checked in a child process before any worker starts.
+
+Resolving them (:func:`spotline.trainer.prepare_inputs`: the model's config, the tokenizer,
+a corpus large enough for a step) imports transformers and, through spotline.trainer,
+DeepSpeed: seconds of imports that the coordinator, the process that never trains, must not
+hold. So ``spotline train`` runs the check in a short-lived child (``python -m
+spotline.launch.control.inputs``, the resolved config as JSON on stdin) that exits with
+:data:`USER_ERROR_EXIT` and the user error's one line on stdout, or 0. The child does what a
+worker does before it can join (an interpreter, these imports, the corpus), so its wall time
+is a lower bound of a worker's start-up, which the trace checks use. Meanwhile the parent
+imports torch for the store it hosts next, so the check costs about what it did in process.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import subprocess
+import sys
+import time
+
+from spotline.config import RunConfig, parse_config
+from spotline.errors import UserError
+
+USER_ERROR_EXIT = 2
+
+
+def check_inputs(cfg: RunConfig) -> float:
+    """Resolve ``cfg``'s model and corpus in a child process; raise :class:`UserError` with its
+    one line if the user got one wrong. Returns the child's wall time in seconds."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spotline.launch.control.inputs", cfg.source],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # While the child imports the training stack, this process imports the torch it
+        # needs anyway for the job store (spotline.stores): the two imports overlap
+        # instead of adding up.
+        importlib.import_module("spotline.stores")
+        out, err = proc.communicate(json.dumps(cfg.to_json()))
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    seconds = time.perf_counter() - t0
+    # What the libraries print (warnings, a download's progress) reaches the user as before.
+    sys.stderr.write(err)
+    if proc.returncode == USER_ERROR_EXIT:
+        raise UserError(out.strip())
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"checking the model and corpus failed (exit {proc.returncode}); its error is above"
+        )
+    return seconds
+
+
+def main() -> int:
+    """The child: read the config from stdin, resolve the model and corpus."""
+    # Here, not at the top: the coordinator's process imports this module for check_inputs.
+    from spotline.trainer import prepare_inputs
+
+    cfg = parse_config(json.loads(sys.stdin.read()), source=sys.argv[1])
+    try:
+        prepare_inputs(cfg)
+    except UserError as exc:
+        print(str(exc), flush=True)
+        return USER_ERROR_EXIT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+../../integration/checkpoint_manifest.py
