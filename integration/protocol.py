@@ -44,6 +44,20 @@ Rank 0 of a generation writes
 
 Each generation's gloo process group keeps its own rendezvous keys under ``pg/<g>``
 (:func:`process_group_prefix`, through ``torch.distributed.PrefixStore``).
+
+Machines (m: a machine's name) and their agents (``spotline.launch.agent``): an agent starts
+and reaps its machine's workers on the coordinator's orders.
+
+- ``machines`` (:data:`MACHINES_COUNTER`): a counter, and ``machine/<n>``
+  (:func:`machine_key`, n = 1, 2, ...): the n-th machine that joined (:class:`MachineInfo`
+  as JSON). Written by its agent.
+- ``agent-hb/<m>`` (:func:`agent_heartbeat_key`): the agent's heartbeat (``time.time()``).
+- ``orders/<m>`` (:func:`order_counter_key`), a counter, and ``order/<m>/<n>``
+  (:func:`order_key`): the n-th order to machine m (:class:`Order` as JSON). Written by the
+  coordinator.
+- ``exit/<w>`` (:func:`exit_key`): how worker w's process ended (an int as
+  ``subprocess.Popen.returncode``: negative for a signal). Written by its agent.
+- ``job-end`` (:data:`JOB_END_KEY`): the job is over; agents exit once their workers have.
 """
 
 from __future__ import annotations
@@ -90,11 +104,18 @@ KEY_PREFIXES = (
     "lr",
     "final",
     "pg",
+    "machine",
+    "agent-hb",
+    "orders",
+    "order",
+    "exit",
 )
 """The first component of every key with a ``/`` (tests check that no other module spells one)."""
 
 CHECKPOINT_ERRORS_COUNTER = "checkpoint-errors"
 FINAL_HASH_KEY = "final/param_sha256"
+MACHINES_COUNTER = "machines"
+JOB_END_KEY = "job-end"
 
 
 def entry_key(worker: str) -> str:
@@ -160,6 +181,28 @@ def lr_key(step: int) -> str:
 
 def process_group_prefix(generation: int) -> str:
     return f"pg/{generation}"
+
+
+def machine_key(n: int) -> str:
+    assert n >= 1, "the machines counter starts at 1"
+    return f"machine/{n}"
+
+
+def agent_heartbeat_key(machine: str) -> str:
+    return f"agent-hb/{machine}"
+
+
+def order_counter_key(machine: str) -> str:
+    return f"orders/{machine}"
+
+
+def order_key(machine: str, n: int) -> str:
+    assert n >= 1, "a machine's orders counter starts at 1"
+    return f"order/{machine}/{n}"
+
+
+def exit_key(worker: str) -> str:
+    return f"exit/{worker}"
 
 
 # -- messages ------------------------------------------------------------------------------
@@ -411,4 +454,96 @@ class CheckpointWriteError:
 
     @classmethod
     def decode(cls, text: bytes | str) -> CheckpointWriteError:
+        return cls.from_json(json.loads(text))
+
+
+@dataclass(frozen=True)
+class MachineInfo:
+    """A machine as its agent registers it: ``slots`` worker processes (one per GPU on a GPU
+    machine), reachable by its peers at ``address`` (the agent's ``--address`` or its
+    ``--iface``'s), where ``iface`` is the interface gloo binds to."""
+
+    name: str
+    slots: int
+    address: str
+    iface: str
+
+    def __post_init__(self) -> None:
+        assert self.slots >= 1, "a machine has at least one slot"
+        assert self.name and "/" not in self.name, f"machine name {self.name!r}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "slots": self.slots,
+            "address": self.address,
+            "iface": self.iface,
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> MachineInfo:
+        return cls(str(raw["name"]), int(raw["slots"]), str(raw["address"]), str(raw["iface"]))
+
+    def encode(self) -> str:
+        return json.dumps(self.to_json())
+
+    @classmethod
+    def decode(cls, text: bytes | str) -> MachineInfo:
+        return cls.from_json(json.loads(text))
+
+
+OrderKind = Literal["start", "signal"]
+Signal = Literal["kill", "term"]
+"""``kill``: SIGKILL (a preemption without notice, or a hung worker); ``term``: SIGTERM (a
+preemption notice: the worker leaves at the next step boundary)."""
+
+
+@dataclass(frozen=True)
+class Order:
+    """The coordinator's order to one machine's agent: ``start`` worker ``worker`` (``python
+    -m module *argv``), or send it ``signal``."""
+
+    kind: OrderKind
+    worker: str
+    module: str = ""
+    argv: tuple[str, ...] = ()
+    signal: Signal | None = None
+
+    def __post_init__(self) -> None:
+        assert self.kind in get_args(OrderKind), self.kind
+        assert (self.kind == "start") == bool(self.module), (
+            "a start order, and only one, names a module"
+        )
+        assert (self.kind == "signal") == (self.signal in get_args(Signal)), (
+            "a signal order names its signal"
+        )
+
+    @classmethod
+    def start(cls, worker: str, module: str, argv: tuple[str, ...]) -> Order:
+        return cls("start", worker, module, argv)
+
+    @classmethod
+    def send(cls, worker: str, signal: Signal) -> Order:
+        return cls("signal", worker, signal=signal)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "worker": self.worker,
+            "module": self.module,
+            "argv": list(self.argv),
+            "signal": self.signal,
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Order:
+        return cls(
+            raw["kind"], str(raw["worker"]), str(raw["module"]), tuple(raw["argv"]), raw["signal"]
+        )
+
+    def encode(self) -> str:
+        return json.dumps(self.to_json())
+
+    @classmethod
+    def decode(cls, text: bytes | str) -> Order:
         return cls.from_json(json.loads(text))

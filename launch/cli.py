@@ -390,6 +390,13 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "calibrate", help="measure this machine's numbers for the simulator", add_help=False
     )
+    sub.add_parser(
+        "agent", help="one per machine: start the workers a coordinator orders", add_help=False
+    )
+    if argv and argv[0] == "agent":
+        from spotline.launch.agent import main as agent_main
+
+        return agent_main(argv[1:])
     if argv and argv[0] == "simulate":
         from spotline.launch.simulate import main as simulate_main
 
