@@ -25,12 +25,13 @@ import argparse
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotline.errors import UserError
 from spotline.launch.control.spawner import ForkedProcess, Spawner
@@ -46,9 +47,13 @@ from spotline.protocol import (
     order_key,
 )
 
+if TYPE_CHECKING:
+    from spotline.stores import StoreSpec
+
 EXIT_COORDINATOR_LOST = 3  # as a worker that loses its coordinator (spotline.elastic)
 POLL_S = 0.05
 DEFAULT_PRELOAD = "spotline.elastic"
+LOCAL_MACHINE = "local"
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
 
 
@@ -182,15 +187,20 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_join(text: str) -> tuple[str, int]:
+def _parse_join(text: str) -> StoreSpec:
+    """``HOST:PORT`` (the coordinator's store) or a store URL (``tcp://HOST:PORT``,
+    ``etcd://HOST:PORT/PREFIX``: what its workers are given as ``--store``)."""
+    from spotline.stores import StoreSpec, parse_store_arg
+
+    if "://" in text:
+        return parse_store_arg(text)
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"--join {text!r} is not HOST:PORT; give the coordinator's --listen")
-    return host, int(port)
+    return StoreSpec("tcp", host, int(port), "")
 
 
 def run_agent(args: argparse.Namespace) -> int:
-    host, port = _parse_join(args.join)
     if args.slots < 1:
         raise UserError(f"--slots {args.slots}: a machine has at least one slot; use --slots 1")
     name = args.name or socket.gethostname()
@@ -205,13 +215,13 @@ def run_agent(args: argparse.Namespace) -> int:
     # The agent turns every store failure into its own one line (a connect timeout is
     # logged at ERROR level by c10d): only its fatal messages stay.
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
-    import torch.distributed as dist
+    spec = _parse_join(args.join)  # imports torch (spotline.stores)
+    host, port = spec.host, spec.port
+    from spotline.stores import connect_store
 
     try:
-        store: Any = dist.TCPStore(
-            host, port, is_master=False, timeout=timedelta(seconds=args.lost_after)
-        )
-    except RuntimeError as exc:
+        store: Any = connect_store(spec, timeout=timedelta(seconds=args.lost_after))
+    except (RuntimeError, UserError) as exc:
         print(
             f"spotline agent {name}: cannot reach the coordinator at {host}:{port} within "
             f"{args.lost_after:g} s ({str(exc).splitlines()[0]}); exiting",
@@ -246,3 +256,22 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def start_local_agent(
+    store_arg: str, *, slots: int, logs: Path, env: dict[str, str], lost_after_s: float
+) -> subprocess.Popen[bytes]:
+    """``spotline train``'s one machine: an agent process on this one (named ``local``),
+    joined to the coordinator's store ``store_arg``; its output goes to ``logs/agent.log``."""
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "agent.log", "ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "spotline.launch.agent", "--join", store_arg]
+            + ["--slots", str(slots), "--name", LOCAL_MACHINE, "--logs", str(logs)]
+            + ["--lost-after", f"{lost_after_s:g}"],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            # Its own session: a Ctrl-C at the terminal reaches the coordinator only.
+            start_new_session=True,
+        )

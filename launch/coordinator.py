@@ -27,6 +27,7 @@ boundary that has a checkpoint (``Stopped``); the second one is the caller's to 
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -61,6 +62,13 @@ __all__ = [
     "no_progress_message",
     "no_workers_message",
 ]
+
+
+# The local agent outlives a lost coordinator by this much: its workers find out first
+# and say so in their own line (spotline.elastic), then the agent stops what is left.
+LOCAL_AGENT_LOST_AFTER_S = 10.0
+AGENT_JOIN_WAIT_S = 120.0
+AGENT_EXIT_WAIT_S = 30.0
 
 
 class Stopped(Exception):
@@ -124,6 +132,7 @@ class Coordinator:
             cfg, self.store, self.supervisor, self.metrics, self.checkpoints, self
         )
         self.boundary_for_joiners: set[str] = set()
+        self.local_agent: subprocess.Popen[bytes] | None = None
         self.last_commit_check = 0.0
         self.failures_without_loss = 0
         # --resume: the stopped run's committed checkpoint the first generation restores.
@@ -249,6 +258,7 @@ class Coordinator:
     def run(self) -> dict[str, Any]:
         S, P = self.cfg.num_stages, self.cfg.num_pipelines
         ids = []
+        self._start_local_agent(slots=self.faults.initial_workers())
         for _ in range(self.faults.initial_workers()):
             wid = self.supervisor.spawn()
             self.planner.include(wid, 0)
@@ -306,6 +316,39 @@ class Coordinator:
                 # Started but never planned (warm, or arrived at the end): let it read "finish".
                 self.store.set(entry_key(w), str(self.generation + 1))
         self.supervisor.wait_all(timeout_s)
+        self._end_agents()
+
+    def _start_local_agent(self, slots: int) -> None:
+        """``spotline train``'s machine: one agent on this one, through the same code as a
+        cluster's (``spotline agent``); the run starts once it has joined."""
+        from spotline.launch.agent import start_local_agent
+
+        self.local_agent = start_local_agent(
+            self.store_spec.to_arg(),
+            slots=slots,
+            logs=self.output / "logs",
+            env=self.supervisor.env,
+            lost_after_s=LOCAL_AGENT_LOST_AFTER_S,
+        )
+        deadline = time.monotonic() + AGENT_JOIN_WAIT_S
+        while not self.supervisor.machines.refresh():
+            if self.local_agent.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the local agent did not join (exit {self.local_agent.poll()}); see "
+                    f"{self.output}/logs/agent.log"
+                )
+            time.sleep(0.02)
+
+    def _end_agents(self) -> None:
+        """The job is over: every agent exits once its workers have."""
+        self.supervisor.machines.end_job()
+        if self.local_agent is not None:
+            try:
+                self.local_agent.wait(timeout=AGENT_EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.local_agent.kill()
+                self.local_agent.wait()
+            self.local_agent = None
 
     def _stop_workers(self) -> None:
         """After a stop at a boundary: every worker exits, its checkpoint writes done; the
@@ -548,6 +591,13 @@ class Coordinator:
     def shutdown(self) -> None:
         """Stop every worker (Ctrl-C or a coordinator error): nothing is left running."""
         self.supervisor.shutdown()
+        try:
+            self._end_agents()
+        except RuntimeError:  # the store is gone: the local agent is stopped below
+            if self.local_agent is not None:
+                self.local_agent.kill()
+                self.local_agent.wait()
+                self.local_agent = None
 
     def log_to_wandb(self, summary: dict[str, Any]) -> None:
         """Per-step losses and the recovery events, to wandb (offline unless configured)."""

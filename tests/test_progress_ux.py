@@ -245,33 +245,46 @@ def test_workers_that_lose_their_coordinator_say_so_once_and_exit(tmp_path: Path
         while "spotline: step " not in (tmp_path / "coordinator.err").read_text():
             assert coordinator.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
-        # The workers are forked by the coordinator's spawner (launch/control/spawner.py),
-        # which exits with its coordinator and leaves them to this subreaper.
-        spawners = _children(coordinator.pid)
-        workers = [pid for spawner in spawners for pid in _children(spawner)]
-        assert len(spawners) == 1 and len(workers) == 2
+        # The workers are forked by the spawner of the coordinator's local agent
+        # (launch/agent.py, launch/control/spawner.py); the agent, orphaned, comes to this
+        # subreaper, and the spawner's log records each worker's exit.
+        (agent,) = _children(coordinator.pid)
+        (spawner,) = _children(agent)
+        workers = _children(spawner)
+        assert len(workers) == 2
         coordinator.send_signal(signal.SIGKILL)
         coordinator.wait()
-        assert os.waitpid(spawners[0], 0)[0] == spawners[0]
         # A bound on the test, not a timing claim: a worker left alone would wait forever.
         deadline = time.monotonic() + 120
-        while len(codes) < len(workers) and time.monotonic() < deadline:
-            for pid in workers:
-                if pid not in codes:
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                    if done:
-                        codes[pid] = os.waitstatus_to_exitcode(status)
+        agent_code = None
+        while agent_code is None and time.monotonic() < deadline:
+            done, status = os.waitpid(agent, os.WNOHANG)
+            if done:
+                agent_code = os.waitstatus_to_exitcode(status)
             time.sleep(0.1)
+        # The agent closed (and reaped) its spawner as it exited.
+        assert not Path(f"/proc/{spawner}").exists()
+        for line in (out / "logs" / "spawner.log").read_text().splitlines():
+            if line.startswith("spawner: w"):
+                pid, code = int(line.split("(pid ")[1].split(")")[0]), int(line.split()[-1])
+                codes[pid] = code
     finally:
         for pid in [coordinator.pid, *workers]:
             if pid not in codes:
                 try:
                     os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                except (ProcessLookupError, ChildProcessError):
+                except ProcessLookupError:
                     pass
+        for pid in [coordinator.pid, *_children(os.getpid())]:
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
         libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
         err.close()
+    assert agent_code == 3, "the agent outlived its coordinator"
+    agent_lines = (out / "logs" / "agent.log").read_text().strip().splitlines()
+    assert agent_lines[-1].startswith("spotline agent local: lost the coordinator"), agent_lines
     assert sorted(codes) == sorted(workers), "a worker outlived its coordinator"
     logs = {log.name: log.read_text()[-2000:] for log in (out / "logs").glob("w*.log")}
     assert all(code == 3 for code in codes.values()), (codes, logs)

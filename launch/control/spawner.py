@@ -211,7 +211,7 @@ def _serve(preload: list[str]) -> int:
     out = sys.stdout.buffer
     requests = sys.stdin.fileno()
     pending = b""
-    children: set[int] = set()
+    children: dict[int, str] = {}  # pid -> the request's id
 
     def reply(message: dict[str, object]) -> None:
         out.write(json.dumps(message).encode() + b"\n")
@@ -233,13 +233,19 @@ def _serve(preload: list[str]) -> int:
                 pid = os.fork()
                 if pid == 0:
                     _run_child(request)
-                children.add(pid)
+                children[pid] = str(request["id"])
                 reply({"id": request["id"], "pid": pid})
         for pid in list(children):
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                children.discard(pid)
-                reply({"pid": pid, "code": os.waitstatus_to_exitcode(status)})
+                code = os.waitstatus_to_exitcode(status)
+                # In this process's log too: the record that outlives a lost supervisor.
+                print(
+                    f"spawner: {children.pop(pid)} (pid {pid}) exited with {code}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                reply({"pid": pid, "code": code})
     return 0
 
 

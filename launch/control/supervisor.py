@@ -1,8 +1,9 @@
 """Process supervision: the worker processes the coordinator started, and what became of them.
 
-A worker is started with :meth:`Supervisor.spawn` (``python -m spotline.elastic``, forked by
-a :class:`~spotline.launch.control.spawner.Spawner` that imported its libraries once, in its
-own session so that a Ctrl-C at the terminal reaches the coordinator only), polled for exit
+A worker is started with :meth:`Supervisor.spawn` (``python -m spotline.elastic``) by the
+agent of a machine that joined (:mod:`spotline.launch.agent`, ordered through
+:class:`~spotline.launch.control.machines.Machines`; ``spotline train`` runs one local
+agent), in its own session so that a Ctrl-C at the terminal reaches the coordinator only, polled for exit
 (:meth:`Supervisor.poll`), watched by heartbeat (:meth:`Supervisor.check_heartbeats`),
 signalled (:meth:`Supervisor.preempt`: a kill or a SIGTERM notice) and stopped
 (:meth:`Supervisor.shutdown`, :meth:`Supervisor.wait_all`). A worker that exits with an
@@ -20,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from spotline.launch.control.machines import AgentProcess, Machines
 from spotline.launch.control.metrics import RunMetrics
-from spotline.launch.control.spawner import ForkedProcess, Spawner
 from spotline.protocol import Store, error_key, heartbeat_key, joined_key
 
 Fate = Literal["running", "killed", "terminated", "left", "exited", "crashed", "restarted"]
+SHUTDOWN_WAIT_S = 30
 WORKER_MODULE = "spotline.elastic"  # run as ``python -m WORKER_MODULE``
 SIGNALLED = (0, -signal.SIGKILL, -signal.SIGTERM)  # exit codes that are no worker error
 
@@ -36,7 +38,7 @@ class JobError(RuntimeError):
 @dataclass
 class WorkerProc:
     wid: str
-    proc: ForkedProcess
+    proc: AgentProcess
     started: float
     alive: bool = True
     fate: Fate = "running"
@@ -66,7 +68,7 @@ class Supervisor:
         self.env = env
         self.workers: dict[str, WorkerProc] = {}
         self.next_index = 0  # also the number of workers ever started
-        self._spawner: Spawner | None = None
+        self.machines = Machines(store)
 
     def spawn(self, *, warm: bool = False) -> str:
         """Start a worker process; returns its id."""
@@ -84,15 +86,22 @@ class Supervisor:
             "--store",
             self.store_arg,
         ]
-        if self._spawner is None:
-            # Forked from one process that imported the worker's libraries once (see
-            # spawner.py); every worker runs in its own session (so its own process group): a
-            # Ctrl-C at the terminal reaches the coordinator only, which decides how the
-            # workers stop (no KeyboardInterrupt tracebacks in them).
-            self._spawner = Spawner([WORKER_MODULE], self.env, logs / "spawner.log")
-        proc = self._spawner.start(wid, WORKER_MODULE, argv, self.env, logs / f"{wid}.log")
+        proc = self.machines.start(self._place(), wid, WORKER_MODULE, argv)
         self.workers[wid] = WorkerProc(wid, proc, self.metrics.now(), warm=warm)
         return wid
+
+    def _place(self) -> str:
+        """The machine a new worker starts on: the one with the most free slots. With every
+        slot taken, the one with the most slots takes one more (one machine's
+        ``spotline train`` starts warm and arriving workers beyond ``--workers``)."""
+        self.machines.refresh()
+        assert self.machines.joined, "a worker is started only once a machine has joined"
+        on: dict[str, int] = {m: 0 for m in self.machines.joined}
+        for p in self.workers.values():
+            if p.alive:
+                on[p.proc.machine] += 1
+        info = self.machines.joined
+        return max(on, key=lambda m: (info[m].slots - on[m], info[m].slots))
 
     def __getitem__(self, wid: str) -> WorkerProc:
         return self.workers[wid]
@@ -176,21 +185,19 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 p.proc.kill()
                 p.proc.wait()
-        self.close_spawner()
 
     def shutdown(self) -> None:
-        """Stop every worker (Ctrl-C or a coordinator error): nothing is left running."""
+        """Stop every worker (Ctrl-C or a coordinator error): nothing is left running (a
+        worker whose agent does not answer is that agent's to stop: it stops its workers
+        when it loses the store)."""
         for p in self.workers.values():
             if p.proc.poll() is None:
                 p.proc.send_signal(signal.SIGKILL)
         for p in self.workers.values():
-            p.proc.wait()
-        self.close_spawner()
-
-    def close_spawner(self) -> None:
-        if self._spawner is not None:
-            self._spawner.close()
-            self._spawner = None
+            try:
+                p.proc.wait(timeout=SHUTDOWN_WAIT_S)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 def child_environment() -> dict[str, str]:
