@@ -228,7 +228,24 @@ def choose_layout(
     *,
     elastic: bool = False,
 ) -> Layout | None:
-    """Pick groups and an assignment that move the least state (see the module rules)."""
+    """Pick groups and an assignment that move the least state (see the module rules).
+
+    ``usable`` must be coverable by the layout's members (every caller but
+    :func:`plan_generation`, which reports the contrary as a :class:`FatalLoss`, passes
+    nothing usable or every stage on every worker)."""
+    layout = _choose_layout(num_stages, num_pipelines, reports, usable, elastic=elastic)
+    assert not isinstance(layout, FatalLoss), layout.reason
+    return layout
+
+
+def _choose_layout(
+    num_stages: int,
+    num_pipelines: int,
+    reports: Sequence[WorkerReport],
+    usable: dict[int, list[str]],
+    *,
+    elastic: bool,
+) -> Layout | FatalLoss | None:
     workers = [r.worker for r in reports]
     previous = {r.worker: r.previous_slot for r in reports}
     if elastic and workers:
@@ -237,12 +254,19 @@ def choose_layout(
     if num_physical == 0:
         return None
     best: tuple[tuple[int, int, tuple[tuple[int, ...], ...]], Layout] | None = None
+    failed: FatalLoss | None = None
     for groups in contiguous_groupings(num_stages, num_physical):
-        layout, cost = _assign(num_stages, num_pipelines, groups, workers, previous, usable)
+        assigned = _assign(num_stages, num_pipelines, groups, workers, previous, usable)
+        if isinstance(assigned, FatalLoss):
+            failed = failed or assigned
+            continue
+        layout, cost = assigned
         key = (cost, max(len(g) for g in groups), groups)
         if best is None or key < best[0]:
             best = (key, layout)
-    assert best is not None
+    if best is None:
+        assert failed is not None
+        return failed
     return best[1]
 
 
@@ -253,7 +277,7 @@ def _assign(
     workers: list[str],
     previous: dict[str, tuple[int, int] | None],
     usable: dict[int, list[str]],
-) -> tuple[Layout, int]:
+) -> tuple[Layout, int] | FatalLoss:
     # Indexed so that a plan for a thousand workers takes milliseconds (the simulator plans
     # clusters of that size); the choices are the module rules' exactly.
     order = {w: i for i, w in enumerate(workers)}
@@ -303,10 +327,25 @@ def _assign(
     for stage in range(num_stages):
         if usable and not any(w in members for w in usable[stage]):
             holder = next(w for w in usable[stage] if w in free)
-            worst = max(
-                ((p, i) for p in range(num_pipelines) for i in range(len(groups))),
-                key=lambda pi: missing(slots[pi[0]][pi[1]], groups[pi[1]]),
-            )
+            # The swapped-out member must not be the only member source of a stage already
+            # checked (the holder coming in may hold it too): the loop never looks back.
+            safe = [
+                (p, i)
+                for p in range(num_pipelines)
+                for i in range(len(groups))
+                if all(
+                    any(w in members and w != slots[p][i] or w == holder for w in usable[s])
+                    for s in range(stage)
+                )
+            ]
+            if not safe:
+                # Every member is some checked stage's only source: this many members cannot
+                # hold every stage (rare: the holdings are spread thin over many workers).
+                return FatalLoss(
+                    (stage,),
+                    f"no {len(members)}-member layout holds every stage: stage {stage} has no source",
+                )
+            worst = max(safe, key=lambda pi: missing(slots[pi[0]][pi[1]], groups[pi[1]]))
             free[slots[worst[0]][worst[1]]] = None
             del free[holder]
             slots[worst[0]][worst[1]] = holder
@@ -335,7 +374,9 @@ def plan_generation(
     if isinstance(state, FatalLoss):
         return state
     committed, usable = state
-    layout = choose_layout(num_stages, num_pipelines, reports, usable, elastic=elastic)
+    layout = _choose_layout(num_stages, num_pipelines, reports, usable, elastic=elastic)
+    if isinstance(layout, FatalLoss):
+        return layout
     if layout is None:
         return GenerationPlan(
             generation,
