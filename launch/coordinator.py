@@ -23,6 +23,7 @@ boundary that has a checkpoint (``Stopped``); the second one is the caller's to 
 
 from __future__ import annotations
 
+import platform
 import sys
 import time
 from datetime import timedelta
@@ -47,6 +48,10 @@ from spotline.protocol import (
     stop_checkpoint_key,
     stop_key,
 )
+
+# The supervisor spawns every worker on this machine: the machine the planner places by
+# (spotline.plan.placement; one machine exposes every stage, and the plan says so).
+HOST = platform.node()
 
 __all__ = [
     "Coordinator",
@@ -250,7 +255,7 @@ class Coordinator:
         self.faults.initial_ids = list(ids)
         self.faults.keep_warm()
         planner = self.planner
-        planner.layout = initial_layout(S, P, ids, elastic=True)
+        planner.layout = initial_layout(S, P, ids, elastic=True, machines=dict.fromkeys(ids, HOST))
         if self.resume_from is None:
             planner.publish(0, planner.plan("train", planner.layout, 0, {}, []))
         else:
@@ -370,7 +375,9 @@ class Coordinator:
             joiners = self.wait_for_joiners()
             self.generation = g + 1
             self._plan_next(
-                [WorkerReport(w) for w in joiners], failure=True, reached=self.max_progress() + 1
+                [WorkerReport(w, machine=HOST) for w in joiners],
+                failure=True,
+                reached=self.max_progress() + 1,
             )
             return "continue"
         reports = self._collect_reports(g, expected)
@@ -407,7 +414,7 @@ class Coordinator:
         reached = self.max_progress() + 1
         self.checkpoints.commit(last=self.max_progress() + 1)
         live_reports = [
-            reports[w].planner_view() if w in reports else WorkerReport(w)
+            reports[w].planner_view(HOST) if w in reports else WorkerReport(w, machine=HOST)
             for w in self.supervisor.live_ids()
             if self.supervisor[w].fate == "running"
             and (w in included or w in self.joined_waiting())
@@ -499,7 +506,7 @@ class Coordinator:
             for w in ready:
                 awaited.discard(w)
                 if self.supervisor[w].alive and w not in {r.worker for r in reports}:
-                    reports = [*reports, WorkerReport(w)]
+                    reports = [*reports, WorkerReport(w, machine=HOST)]
             if awaited:
                 time.sleep(POLL_S)
         # A change without a failure is timed from here: everyone has stopped and every

@@ -44,6 +44,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from spotline.plan.placement import Exposure, exposures, place, replica_of
+
 
 def pipeline_name(pipeline: int) -> str:
     """A physical pipeline's name as ``spotline.plan.logical`` assigns logical workers to it:
@@ -64,11 +66,17 @@ class Holding:
 
 @dataclass(frozen=True)
 class WorkerReport:
-    """What a live worker says at a generation boundary (or on joining: no holdings)."""
+    """What a live worker says at a generation boundary (or on joining: no holdings).
+
+    ``machine``: the host it runs on (a preemption takes a whole machine; see
+    ``spotline.plan.placement``). None: not said; the planner then assumes nothing about
+    where copies live and places as if on one machine, every stage exposed. Either every
+    report of a call says its machine or none does."""
 
     worker: str
     holdings: tuple[Holding, ...] = ()
     previous_slot: tuple[int, int] | None = None  # (pipeline, physical stage) last generation
+    machine: str | None = None
 
 
 @dataclass(frozen=True)
@@ -149,13 +157,17 @@ class Layout:
 
 @dataclass(frozen=True)
 class GenerationPlan:
-    """The coordinator's decision for one generation. ``layout`` None: waiting for workers."""
+    """The coordinator's decision for one generation. ``layout`` None: waiting for workers.
+
+    ``exposed``: the logical stages whose every copy is on one machine (losing it loses the
+    stage), in stage order; with machines not said, every stage (on one unnamed machine)."""
 
     generation: int
     layout: Layout | None
     resume_step: int
     sources: tuple[tuple[int, str], ...]  # (logical stage, member that provides its state)
     reason: str
+    exposed: tuple[Exposure, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -175,10 +187,16 @@ def contiguous_groupings(num_stages: int, num_groups: int) -> Iterator[tuple[tup
 
 
 def initial_layout(
-    num_stages: int, num_pipelines: int, workers: Sequence[str], *, elastic: bool = False
+    num_stages: int,
+    num_pipelines: int,
+    workers: Sequence[str],
+    *,
+    elastic: bool = False,
+    machines: Mapping[str, str] | None = None,
 ) -> Layout | None:
-    """Generation 0: pipeline p stage s on ``workers[p * S + s]``; extras stand by."""
-    reports = [WorkerReport(w) for w in workers]
+    """Generation 0: pipeline p stage s on ``workers[p * S + s]``; extras stand by (placed
+    by machine instead where that order would leave a stage's copies on one machine)."""
+    reports = [WorkerReport(w, machine=machines[w] if machines else None) for w in workers]
     return choose_layout(num_stages, num_pipelines, reports, usable={}, elastic=elastic)
 
 
@@ -193,8 +211,9 @@ def member_holdings(
     for row in layout.slots:
         for index, worker in enumerate(row):
             stages = set(layout.groups[index])
-            if replicas and num_physical > 1:
-                stages |= set(layout.groups[(index + 1) % num_physical])
+            successor = replica_of(index, num_physical) if replicas else None
+            if successor is not None:
+                stages |= set(layout.groups[successor])
             held[worker] = tuple(Holding(stage, version, False) for stage in sorted(stages))
     return held
 
@@ -267,7 +286,17 @@ def _choose_layout(
     if best is None:
         assert failed is not None
         return failed
-    return best[1]
+    said = _machines(reports)
+    if said is None:
+        return best[1]
+    return place(best[1], said, usable, previous, workers)
+
+
+def _machines(reports: Sequence[WorkerReport]) -> dict[str, str] | None:
+    """Worker -> machine, or None where no report says its machine."""
+    said = {r.worker: r.machine for r in reports if r.machine is not None}
+    assert len(said) in (0, len(reports)), f"some reports lack their machine: {reports}"
+    return said or None
 
 
 def _assign(
@@ -390,4 +419,6 @@ def plan_generation(
     sources = tuple(
         (stage, next(w for w in members if w in held[stage])) for stage in range(num_stages)
     )
-    return GenerationPlan(generation, layout, committed, sources, "recovered")
+    said = _machines(reports)
+    exposed = exposures(layout, said if said is not None else dict.fromkeys(members))
+    return GenerationPlan(generation, layout, committed, sources, "recovered", exposed)
