@@ -255,3 +255,33 @@ def _check(
             break
     event(f"a safe placement exists: {possible}")
     assert possible == (not exposed), (layout, exposed)
+
+
+def _partitions(total: int, largest: int) -> Iterator[tuple[int, ...]]:
+    if total == 0:
+        yield ()
+        return
+    for part in range(min(total, largest), 0, -1):
+        for rest in _partitions(total - part, part):
+            yield (part, *rest)
+
+
+def test_the_bound_on_the_most_crowded_machine_is_exact() -> None:
+    """``can_place`` (the module's proof) agrees with brute force for every way to spread up
+    to ten members over machines, shapes up to seven physical stages; and the planner, from
+    any worker order, then places with no stage exposed."""
+    for num_physical in range(1, 8):
+        for pipelines in range(1, 4):
+            size = num_physical * pipelines
+            if size > 10:
+                continue
+            for part in _partitions(size, size):
+                machines = cluster(*part)
+                counts = Counter(machines.values())
+                brute = _safe_exists(tuple(sorted(counts.items())), num_physical, pipelines)
+                assert can_place(counts, num_physical, pipelines) == brute, (num_physical, part)
+                names = list(machines)
+                for order in (names, names[::-1], sorted(names, key=lambda w: w[::-1])):
+                    layout = initial_layout(num_physical, pipelines, order, machines=machines)
+                    assert layout is not None
+                    assert (exposures(layout, machines) == ()) == brute, (layout, part)
