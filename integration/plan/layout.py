@@ -33,7 +33,14 @@ Rules (all deterministic; pure code, no torch):
   of the slot's stages, preferring the worker that ran the same slot before, then worker
   order.
 - Every logical stage's state must be held by some member (standbys are not in the
-  process group); a member is swapped for a holder if needed.
+  process group); a member is swapped for a holder if needed, never the only member holding
+  a stage already checked. Members too few to hold every stage (rigid pipelines, holdings
+  spread thin): a fatal loss naming the stage left without a source.
+- Machines. Where the reports say their machines (``WorkerReport.machine``) and there are
+  two or more, the chosen layout is re-placed so that no machine holds every copy of a
+  stage, whenever the shape allows it (``spotline.plan.placement``); the plan lists the
+  stages still exposed (``GenerationPlan.exposed``). All workers on one machine: the
+  layout above, unchanged.
 """
 
 from __future__ import annotations
