@@ -372,9 +372,10 @@ class Report:
     def __post_init__(self) -> None:
         assert self.outcome in OUTCOMES, self.outcome
 
-    def planner_view(self) -> WorkerReport:
-        """What the planner needs of it (``spotline.plan.layout.plan_generation``)."""
-        return WorkerReport(self.worker, self.holdings, self.previous_slot)
+    def planner_view(self, machine: str | None = None) -> WorkerReport:
+        """What the planner needs of it (``spotline.plan.layout.plan_generation``), on the
+        machine the coordinator knows it runs on."""
+        return WorkerReport(self.worker, self.holdings, self.previous_slot, machine)
 
     def to_json(self) -> dict[str, Any]:
         st = self.stats

@@ -266,7 +266,9 @@ class Coordinator:
         self.faults.initial_ids = list(ids)
         self.faults.keep_warm()
         planner = self.planner
-        planner.layout = initial_layout(S, P, ids, elastic=True)
+        planner.layout = initial_layout(
+            S, P, ids, elastic=True, machines={w: self.supervisor.machine_of(w) for w in ids}
+        )
         if self.resume_from is None:
             planner.publish(0, planner.plan("train", planner.layout, 0, {}, []))
         else:
@@ -419,7 +421,9 @@ class Coordinator:
             joiners = self.wait_for_joiners()
             self.generation = g + 1
             self._plan_next(
-                [WorkerReport(w) for w in joiners], failure=True, reached=self.max_progress() + 1
+                [WorkerReport(w, machine=self.supervisor.machine_of(w)) for w in joiners],
+                failure=True,
+                reached=self.max_progress() + 1,
             )
             return "continue"
         reports = self._collect_reports(g, expected)
@@ -440,7 +444,9 @@ class Coordinator:
         reached = self.max_progress() + 1
         self.checkpoints.commit(last=self.max_progress() + 1)
         live_reports = [
-            reports[w].planner_view() if w in reports else WorkerReport(w)
+            reports[w].planner_view(self.supervisor.machine_of(w))
+            if w in reports
+            else WorkerReport(w, machine=self.supervisor.machine_of(w))
             for w in self.supervisor.live_ids()
             if self.supervisor[w].fate == "running"
             and (w in included or w in self.joined_waiting())
@@ -569,7 +575,7 @@ class Coordinator:
             for w in ready:
                 awaited.discard(w)
                 if self.supervisor[w].alive and w not in {r.worker for r in reports}:
-                    reports = [*reports, WorkerReport(w)]
+                    reports = [*reports, WorkerReport(w, machine=self.supervisor.machine_of(w))]
             if awaited:
                 time.sleep(POLL_S)
         # A change without a failure is timed from here: everyone has stopped and every

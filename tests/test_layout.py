@@ -205,3 +205,125 @@ def test_plans_cover_every_stage_and_do_not_depend_on_worker_names(
     sources = dict(result.sources)
     assert sorted(sources) == list(range(num_stages))
     assert all(w in result.layout.members for w in sources.values())
+
+
+def _valid_plan(result: GenerationPlan, num_stages: int, reports: list[WorkerReport]) -> None:
+    """A plan places every live worker once (member or standby) and sources every logical
+    stage from a member that holds it at the committed step (or one behind, ready)."""
+    assert result.layout is not None
+    placed = [*result.layout.members, *result.layout.standby]
+    assert sorted(placed) == sorted(r.worker for r in reports)
+    sources = dict(result.sources)
+    assert sorted(sources) == list(range(num_stages))
+    by_worker = {r.worker: r for r in reports}
+    for stage, worker in sources.items():
+        assert worker in result.layout.members
+        assert any(
+            h.stage == stage
+            and (
+                h.version == result.resume_step or (h.version == result.resume_step - 1 and h.ready)
+            )
+            for h in by_worker[worker].holdings
+        )
+
+
+def _valid_fatal(result: FatalLoss, num_stages: int, reports: list[WorkerReport]) -> None:
+    """A fatal loss names stages that nobody holds at the committed step, or the one stage
+    that a layout of this many members cannot hold (rigid pipelines, holdings spread thin)."""
+    assert result.lost_stages and all(0 <= s < num_stages for s in result.lost_stages)
+    if "has no source" in result.reason:
+        assert len(result.lost_stages) == 1 and f"stage {result.lost_stages[0]} " in result.reason
+        return
+    versions = [h.version for r in reports for h in r.holdings]
+    top = max(versions, default=0)
+    held = {
+        h.stage
+        for r in reports
+        for h in r.holdings
+        if h.version == top or (h.version == top - 1 and h.ready)
+    }
+    assert not held & set(result.lost_stages), result
+
+
+@st.composite
+def random_reports(draw: st.DrawFn, num_stages: int, num_pipelines: int) -> list[WorkerReport]:
+    """Live workers with arbitrary holdings (not only what a layout leaves): any stages, at
+    the committed step or one behind, ready or not, any previous slot. Mostly fewer than
+    three per pipeline: rigid layouts then have few members for many holdings."""
+    count = draw(st.integers(1, 3 * num_pipelines - 1) | st.integers(1, 10))
+    reports = []
+    for index in range(count):
+        # Thin holdings (a stage or two each) make the repair loop swap the most.
+        stages = draw(st.sets(st.integers(0, num_stages - 1), min_size=1, max_size=2))
+        holdings = tuple(
+            Holding(s, draw(st.sampled_from([6, 7])), draw(st.booleans())) for s in sorted(stages)
+        )
+        slot = draw(st.none() | st.tuples(st.integers(0, 2), st.integers(0, num_stages - 1)))
+        reports.append(WorkerReport(f"w{index}", holdings, slot))
+    # Two live workers never ran the same slot: the first claim keeps it.
+    seen: set[tuple[int, int]] = set()
+    unique = []
+    for r in reports:
+        if r.previous_slot in seen:
+            r = WorkerReport(r.worker, r.holdings, None)
+        elif r.previous_slot is not None:
+            seen.add(r.previous_slot)
+        unique.append(r)
+    return unique
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), num_stages=st.integers(1, 5), num_pipelines=st.integers(1, 3))
+def test_any_holdings_give_a_valid_plan_or_a_fatal_loss_naming_the_stage(
+    data: st.DataObject, num_stages: int, num_pipelines: int
+) -> None:
+    """Issue 14: the repair loop swapped out the only member holding a stage it had already
+    checked ("generator raised StopIteration" in about 1 in 900 rigid calls)."""
+    reports = data.draw(random_reports(num_stages, num_pipelines))
+    for elastic in (False, True):
+        result = plan_generation(1, num_stages, num_pipelines, reports, elastic=elastic)
+        if isinstance(result, FatalLoss):
+            _valid_fatal(result, num_stages, reports)
+            continue
+        if result.layout is not None:
+            _valid_plan(result, num_stages, reports)
+
+
+def test_rigid_layout_too_small_to_hold_every_stage_is_a_fatal_loss() -> None:
+    """Five workers each holding one stage of five, two rigid pipelines: four members can
+    never hold all five stages (the call used to crash with StopIteration)."""
+    reports = [WorkerReport(f"w{s}", (Holding(s, 7, False),), (s % 2, s % 5)) for s in range(5)]
+    result = plan_generation(1, 5, 2, reports)
+    assert isinstance(result, FatalLoss) and result.lost_stages == (4,)
+    assert isinstance(plan_generation(1, 5, 2, reports, elastic=True), GenerationPlan)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    num_stages=st.integers(3, 5),
+    num_pipelines=st.integers(2, 3),
+    data=st.data(),
+)
+def test_the_rigid_repair_never_drops_a_stage_it_already_placed(
+    num_stages: int, num_pipelines: int, data: st.DataObject
+) -> None:
+    """Where issue 14's crash lives: rigid pipelines with fewer than three workers each, every
+    worker holding one or two stages, so that most members are some stage's only source."""
+    count = data.draw(st.integers(num_pipelines, 3 * num_pipelines - 1))
+    reports = [
+        WorkerReport(
+            f"w{index}",
+            tuple(
+                Holding(s, 7, False)
+                for s in sorted(
+                    data.draw(st.sets(st.integers(0, num_stages - 1), min_size=1, max_size=2))
+                )
+            ),
+        )
+        for index in range(count)
+    ]
+    result = plan_generation(1, num_stages, num_pipelines, reports)
+    if isinstance(result, FatalLoss):
+        _valid_fatal(result, num_stages, reports)
+    else:
+        _valid_plan(result, num_stages, reports)

@@ -22,6 +22,7 @@ PURE = (
 def test_pure_modules_do_not_import_torch_or_deepspeed() -> None:
     assert "spotline.plan.schedule" in PURE and "spotline.plan.layout" in PURE
     assert "spotline.plan.policies" in PURE
+    assert "spotline.plan.placement" in PURE
     code = (
         "import importlib, sys\n"
         f"for name in {PURE!r}:\n"

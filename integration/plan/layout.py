@@ -33,7 +33,14 @@ Rules (all deterministic; pure code, no torch):
   of the slot's stages, preferring the worker that ran the same slot before, then worker
   order.
 - Every logical stage's state must be held by some member (standbys are not in the
-  process group); a member is swapped for a holder if needed.
+  process group); a member is swapped for a holder if needed, never the only member holding
+  a stage already checked. Members too few to hold every stage (rigid pipelines, holdings
+  spread thin): a fatal loss naming the stage left without a source.
+- Machines. Where the reports say their machines (``WorkerReport.machine``) and there are
+  two or more, the chosen layout is re-placed so that no machine holds every copy of a
+  stage, whenever the shape allows it (``spotline.plan.placement``); the plan lists the
+  stages still exposed (``GenerationPlan.exposed``). All workers on one machine: the
+  layout above, unchanged.
 """
 
 from __future__ import annotations
@@ -43,6 +50,8 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from spotline.plan.placement import Exposure, exposures, place, replica_of
 
 
 def pipeline_name(pipeline: int) -> str:
@@ -64,11 +73,17 @@ class Holding:
 
 @dataclass(frozen=True)
 class WorkerReport:
-    """What a live worker says at a generation boundary (or on joining: no holdings)."""
+    """What a live worker says at a generation boundary (or on joining: no holdings).
+
+    ``machine``: the host it runs on (a preemption takes a whole machine; see
+    ``spotline.plan.placement``). None: not said; the planner then assumes nothing about
+    where copies live and places as if on one machine, every stage exposed. Either every
+    report of a call says its machine or none does."""
 
     worker: str
     holdings: tuple[Holding, ...] = ()
     previous_slot: tuple[int, int] | None = None  # (pipeline, physical stage) last generation
+    machine: str | None = None
 
 
 @dataclass(frozen=True)
@@ -149,13 +164,17 @@ class Layout:
 
 @dataclass(frozen=True)
 class GenerationPlan:
-    """The coordinator's decision for one generation. ``layout`` None: waiting for workers."""
+    """The coordinator's decision for one generation. ``layout`` None: waiting for workers.
+
+    ``exposed``: the logical stages whose every copy is on one machine (losing it loses the
+    stage), in stage order; with machines not said, every stage (on one unnamed machine)."""
 
     generation: int
     layout: Layout | None
     resume_step: int
     sources: tuple[tuple[int, str], ...]  # (logical stage, member that provides its state)
     reason: str
+    exposed: tuple[Exposure, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -175,10 +194,16 @@ def contiguous_groupings(num_stages: int, num_groups: int) -> Iterator[tuple[tup
 
 
 def initial_layout(
-    num_stages: int, num_pipelines: int, workers: Sequence[str], *, elastic: bool = False
+    num_stages: int,
+    num_pipelines: int,
+    workers: Sequence[str],
+    *,
+    elastic: bool = False,
+    machines: Mapping[str, str] | None = None,
 ) -> Layout | None:
-    """Generation 0: pipeline p stage s on ``workers[p * S + s]``; extras stand by."""
-    reports = [WorkerReport(w) for w in workers]
+    """Generation 0: pipeline p stage s on ``workers[p * S + s]``; extras stand by (placed
+    by machine instead where that order would leave a stage's copies on one machine)."""
+    reports = [WorkerReport(w, machine=machines[w] if machines else None) for w in workers]
     return choose_layout(num_stages, num_pipelines, reports, usable={}, elastic=elastic)
 
 
@@ -193,8 +218,9 @@ def member_holdings(
     for row in layout.slots:
         for index, worker in enumerate(row):
             stages = set(layout.groups[index])
-            if replicas and num_physical > 1:
-                stages |= set(layout.groups[(index + 1) % num_physical])
+            successor = replica_of(index, num_physical) if replicas else None
+            if successor is not None:
+                stages |= set(layout.groups[successor])
             held[worker] = tuple(Holding(stage, version, False) for stage in sorted(stages))
     return held
 
@@ -228,7 +254,24 @@ def choose_layout(
     *,
     elastic: bool = False,
 ) -> Layout | None:
-    """Pick groups and an assignment that move the least state (see the module rules)."""
+    """Pick groups and an assignment that move the least state (see the module rules).
+
+    ``usable`` must be coverable by the layout's members (every caller but
+    :func:`plan_generation`, which reports the contrary as a :class:`FatalLoss`, passes
+    nothing usable or every stage on every worker)."""
+    layout = _choose_layout(num_stages, num_pipelines, reports, usable, elastic=elastic)
+    assert not isinstance(layout, FatalLoss), layout.reason
+    return layout
+
+
+def _choose_layout(
+    num_stages: int,
+    num_pipelines: int,
+    reports: Sequence[WorkerReport],
+    usable: dict[int, list[str]],
+    *,
+    elastic: bool,
+) -> Layout | FatalLoss | None:
     workers = [r.worker for r in reports]
     previous = {r.worker: r.previous_slot for r in reports}
     if elastic and workers:
@@ -237,13 +280,30 @@ def choose_layout(
     if num_physical == 0:
         return None
     best: tuple[tuple[int, int, tuple[tuple[int, ...], ...]], Layout] | None = None
+    failed: FatalLoss | None = None
     for groups in contiguous_groupings(num_stages, num_physical):
-        layout, cost = _assign(num_stages, num_pipelines, groups, workers, previous, usable)
+        assigned = _assign(num_stages, num_pipelines, groups, workers, previous, usable)
+        if isinstance(assigned, FatalLoss):
+            failed = failed or assigned
+            continue
+        layout, cost = assigned
         key = (cost, max(len(g) for g in groups), groups)
         if best is None or key < best[0]:
             best = (key, layout)
-    assert best is not None
-    return best[1]
+    if best is None:
+        assert failed is not None
+        return failed
+    said = _machines(reports)
+    if said is None:
+        return best[1]
+    return place(best[1], said, usable, previous, workers)
+
+
+def _machines(reports: Sequence[WorkerReport]) -> dict[str, str] | None:
+    """Worker -> machine, or None where no report says its machine."""
+    said = {r.worker: r.machine for r in reports if r.machine is not None}
+    assert len(said) in (0, len(reports)), f"some reports lack their machine: {reports}"
+    return said or None
 
 
 def _assign(
@@ -253,7 +313,7 @@ def _assign(
     workers: list[str],
     previous: dict[str, tuple[int, int] | None],
     usable: dict[int, list[str]],
-) -> tuple[Layout, int]:
+) -> tuple[Layout, int] | FatalLoss:
     # Indexed so that a plan for a thousand workers takes milliseconds (the simulator plans
     # clusters of that size); the choices are the module rules' exactly.
     order = {w: i for i, w in enumerate(workers)}
@@ -303,10 +363,25 @@ def _assign(
     for stage in range(num_stages):
         if usable and not any(w in members for w in usable[stage]):
             holder = next(w for w in usable[stage] if w in free)
-            worst = max(
-                ((p, i) for p in range(num_pipelines) for i in range(len(groups))),
-                key=lambda pi: missing(slots[pi[0]][pi[1]], groups[pi[1]]),
-            )
+            # The swapped-out member must not be the only member source of a stage already
+            # checked (the holder coming in may hold it too): the loop never looks back.
+            safe = [
+                (p, i)
+                for p in range(num_pipelines)
+                for i in range(len(groups))
+                if all(
+                    any(w in members and w != slots[p][i] or w == holder for w in usable[s])
+                    for s in range(stage)
+                )
+            ]
+            if not safe:
+                # Every member is some checked stage's only source: this many members cannot
+                # hold every stage (rare: the holdings are spread thin over many workers).
+                return FatalLoss(
+                    (stage,),
+                    f"no {len(members)}-member layout holds every stage: stage {stage} has no source",
+                )
+            worst = max(safe, key=lambda pi: missing(slots[pi[0]][pi[1]], groups[pi[1]]))
             free[slots[worst[0]][worst[1]]] = None
             del free[holder]
             slots[worst[0]][worst[1]] = holder
@@ -335,7 +410,9 @@ def plan_generation(
     if isinstance(state, FatalLoss):
         return state
     committed, usable = state
-    layout = choose_layout(num_stages, num_pipelines, reports, usable, elastic=elastic)
+    layout = _choose_layout(num_stages, num_pipelines, reports, usable, elastic=elastic)
+    if isinstance(layout, FatalLoss):
+        return layout
     if layout is None:
         return GenerationPlan(
             generation,
@@ -349,4 +426,6 @@ def plan_generation(
     sources = tuple(
         (stage, next(w for w in members if w in held[stage])) for stage in range(num_stages)
     )
-    return GenerationPlan(generation, layout, committed, sources, "recovered")
+    said = _machines(reports)
+    exposed = exposures(layout, said if said is not None else dict.fromkeys(members))
+    return GenerationPlan(generation, layout, committed, sources, "recovered", exposed)

@@ -259,7 +259,7 @@ class Planner:
         """Every member reads the last complete checkpoint (a fatal loss, a restart)."""
         step = self.checkpoints.latest()
         S, P = self.cfg.num_stages, self.cfg.num_pipelines
-        everyone = [WorkerReport(r.worker, (), r.previous_slot) for r in reports]
+        everyone = [WorkerReport(r.worker, (), r.previous_slot, r.machine) for r in reports]
         self._include_all(reports, g)
         if not everyone:
             self.layout = None
@@ -317,7 +317,9 @@ class Planner:
             self.include(wid, g)
             fresh.append(wid)
         self.metrics.event("restart-all", workers=len(fresh))
-        self.restore([WorkerReport(w) for w in fresh], g, reached)
+        self.restore(
+            [WorkerReport(w, machine=self.supervisor.machine_of(w)) for w in fresh], g, reached
+        )
 
 
 # -- recovery policies ---------------------------------------------------------------------

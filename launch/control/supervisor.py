@@ -103,6 +103,11 @@ class Supervisor:
         info = self.machines.joined
         return max(on, key=lambda m: (info[m].slots - on[m], info[m].slots))
 
+    def machine_of(self, wid: str) -> str:
+        """The machine worker ``wid`` runs on (the planner's placement keeps a stage and its
+        replica on different machines)."""
+        return self.workers[wid].proc.machine
+
     def __getitem__(self, wid: str) -> WorkerProc:
         return self.workers[wid]
 
