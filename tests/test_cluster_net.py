@@ -1,0 +1,95 @@
+"""Machines as network namespaces on one bridge (tests/netns.py): the fixture itself, and
+gloo between namespaces bound to each machine's own interface (spotline.net)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import REPO, child_env
+from netns import cluster, our_names
+
+WORKER = Path(__file__).parent / "workers" / "netns_worker.py"
+PORT = 29500  # each namespace has its own ports: no clash with other runs
+# How long the survivor of a silent loss is watched: it must still be blocked after it.
+SILENT_BOUND_S = 3.0
+
+
+def test_fixture_leaves_nothing_behind_even_when_the_body_raises() -> None:
+    with cluster(2) as machines:
+        tag = machines[0].tag
+        assert [m.address for m in machines] == ["10.77.0.1", "10.77.0.2"]
+        assert {m.name for m in machines} <= set(our_names())
+        sleeper = machines[1].popen(["sleep", "600"])
+    assert sleeper.returncode is not None
+    assert not [n for n in our_names() if n.startswith(tag)]
+
+    with pytest.raises(RuntimeError, match="body failed"), cluster(1) as machines:
+        tag = machines[0].tag
+        sleeper = machines[0].popen(["sleep", "600"])
+        raise RuntimeError("body failed")
+    assert sleeper.returncode is not None
+    assert not [n for n in our_names() if n.startswith(tag)]
+
+
+def _report(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line, f"worker exited with {proc.wait()} before reporting"
+    report: dict[str, Any] = json.loads(line)
+    return report
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_gloo_across_namespaces_and_a_cut_link_is_a_silent_loss() -> None:
+    def start(machine, *args: str, stdin: int | None = None) -> subprocess.Popen[str]:
+        return machine.popen(
+            [sys.executable, str(WORKER), *args],
+            cwd=REPO,
+            env=child_env(),
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    with cluster(3) as (coordinator, one, two):
+        tag = coordinator.tag
+        store = start(coordinator, "store", coordinator.address, str(PORT))
+        assert store.stdout is not None and store.stdout.readline() == "ready\n"
+        a = start(one, "rank", "0", one.iface, coordinator.address, str(PORT))
+        b = start(two, "rank", "1", two.iface, coordinator.address, str(PORT), "--hold",
+                  stdin=subprocess.PIPE)  # fmt: skip
+        reports = [_report(a), _report(b)]
+
+        expected = [3 * i for i in range(8)]  # arange(8) * 1 + arange(8) * 2
+        for report, me, peer in ((reports[0], one, two), (reports[1], two, one)):
+            assert report["sum"] == expected
+            assert (report["ip"], report["ifname"]) == (me.address, me.iface)
+            assert report["master_addr"] == coordinator.address
+            connections = {tuple(c) for c in report["connections"]}
+            # The rendezvous went to the coordinator's member address, from this machine's.
+            assert (me.address, coordinator.address, PORT) in {
+                (c[0], c[2], c[3]) for c in connections
+            }
+            # Gloo's own connections: every one between the two members' addresses, none
+            # on loopback (gloo would have picked it had it bound to the host name's guess).
+            gloo = {(c[0], c[2]) for c in connections if PORT not in (c[1], c[3])}
+            assert gloo == {(me.address, peer.address)}, connections
+
+        # `one` is now blocked in a second all-reduce that `two` never joins; `two`'s machine
+        # vanishes from the network. Nothing tells `one`: it stays blocked (the silent loss
+        # the agents' heartbeat must detect).
+        two.link_down()
+        with pytest.raises(subprocess.TimeoutExpired):
+            a.wait(timeout=SILENT_BOUND_S)
+        assert a.poll() is None
+        a.kill()
+        assert a.wait() == -9
+        procs = [store, a, b]
+    assert all(p.returncode is not None for p in procs)
+    assert not [n for n in our_names() if n.startswith(tag)]
