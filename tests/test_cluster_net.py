@@ -4,6 +4,8 @@ gloo between namespaces bound to each machine's own interface (spotline.net)."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +13,9 @@ from typing import Any
 
 import pytest
 from conftest import REPO, child_env
-from netns import cluster, our_names
+
+# netns_cluster is a fixture: importing it makes it available to this module's tests.
+from netns import PREFIX, Machine, cluster, netns_cluster, our_names  # noqa: F401
 
 WORKER = Path(__file__).parent / "workers" / "netns_worker.py"
 PORT = 29500  # each namespace has its own ports: no clash with other runs
@@ -36,6 +40,44 @@ def test_fixture_leaves_nothing_behind_even_when_the_body_raises() -> None:
     assert not [n for n in our_names() if n.startswith(tag)]
 
 
+def test_start_sweeps_a_dead_runs_leftovers_and_keeps_a_live_runs() -> None:
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces: needs root and `ip`")
+    finished = subprocess.Popen(["true"])
+    finished.wait()  # its pid now names a run that was killed
+    dead = f"{PREFIX}{finished.pid:x}c0"
+    live = f"{PREFIX}{os.getpid():x}c999"  # this process's: as if another cluster were open
+    made = [("netns", f"{dead}n0"), ("link", f"{dead}b"), ("link", f"{live}b")]
+    try:
+        for kind, name in made:
+            args = (
+                ["netns", "add", name]
+                if kind == "netns"
+                else ["link", "add", name, "type", "bridge"]
+            )
+            subprocess.run(["ip", *args], check=True)
+        with cluster(1):
+            names = set(our_names())
+            assert f"{dead}n0" not in names and f"{dead}b" not in names
+            assert f"{live}b" in names
+    finally:
+        subprocess.run(["ip", "netns", "delete", f"{dead}n0"], capture_output=True, check=False)
+        for name in (f"{dead}b", f"{live}b"):
+            subprocess.run(["ip", "link", "delete", name], capture_output=True, check=False)
+
+
+def test_fixture_gives_machines_that_reach_each_other(netns_cluster: Any) -> None:  # noqa: F811
+    server, client = netns_cluster(2)
+    listen = f"import socket; s = socket.create_server(({server.address!r}, 7)); print(1, flush=True); s.accept()"
+    connect = (
+        f"import socket; socket.create_connection(({server.address!r}, 7), timeout=30).close()"
+    )
+    listener = server.popen([sys.executable, "-c", listen], stdout=subprocess.PIPE, text=True)
+    assert listener.stdout is not None and listener.stdout.readline() == "1\n"
+    assert client.popen([sys.executable, "-c", connect]).wait() == 0
+    assert listener.wait() == 0
+
+
 def _report(proc: subprocess.Popen[str]) -> dict[str, Any]:
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -47,7 +89,7 @@ def _report(proc: subprocess.Popen[str]) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_gloo_across_namespaces_and_a_cut_link_is_a_silent_loss() -> None:
-    def start(machine, *args: str, stdin: int | None = None) -> subprocess.Popen[str]:
+    def start(machine: Machine, *args: str, stdin: int | None = None) -> subprocess.Popen[str]:
         return machine.popen(
             [sys.executable, str(WORKER), *args],
             cwd=REPO,
