@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import netns
 import pytest
 from conftest import REPO, child_env
 
@@ -38,6 +39,16 @@ def test_fixture_leaves_nothing_behind_even_when_the_body_raises() -> None:
         raise RuntimeError("body failed")
     assert sleeper.returncode is not None
     assert not [n for n in our_names() if n.startswith(tag)]
+
+
+def test_without_root_the_cluster_is_a_skip_with_one_reason_line(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Not root is simulated: the test itself runs as root wherever the others run.
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    with pytest.raises(pytest.skip.Exception, match="needs root") as info, cluster(1):
+        pass
+    assert "\n" not in str(info.value)
 
 
 def test_start_sweeps_a_dead_runs_leftovers_and_keeps_a_live_runs() -> None:
