@@ -11,7 +11,13 @@ import spotline.plan
 import spotline.sim
 
 PURE = (
-    ["spotline.config", "spotline.errors", "spotline.protocol", "spotline.checkpoint_manifest"]
+    [
+        "spotline.config",
+        "spotline.errors",
+        "spotline.protocol",
+        "spotline.checkpoint_manifest",
+        "spotline.net",
+    ]
     + [f"spotline.plan.{m.name}" for m in pkgutil.iter_modules(spotline.plan.__path__)]
     + [f"spotline.sim.{m.name}" for m in pkgutil.iter_modules(spotline.sim.__path__)]
     # The simulator's timed sweep, moved out of spotline.sim (it is an entry point), stays pure.
