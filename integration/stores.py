@@ -374,19 +374,51 @@ def _etcd_store(spec: StoreSpec, timeout: timedelta) -> dist.Store:
     return EtcdV3Store(_etcd_client(spec), spec.prefix, timeout)
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise UserError(
+            f"cannot listen on {host}:{port} ({exc.strerror}); give an address of this machine "
+            "and a free port (0 lets the system choose)"
+        ) from None
+    listener.listen(1024)
+    return listener
+
+
 def host_store(
-    backend: Backend, *, etcd_endpoint: str | None, timeout: timedelta = DEFAULT_TIMEOUT
+    backend: Backend,
+    *,
+    etcd_endpoint: str | None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    listen: tuple[str, int] = ("127.0.0.1", 0),
 ) -> tuple[dist.Store, StoreSpec]:
     """The coordinator's store and the spec workers connect with (``connect_store``).
 
-    "tcp": a master TCPStore on 127.0.0.1 with a port the OS picks. "etcd": a store under a
+    "tcp": a master TCPStore listening on ``listen`` only (default: 127.0.0.1 and a port the
+    OS picks). "etcd": a store under a
     fresh prefix ``spotline/job-<hex>`` on the etcd at ``etcd_endpoint`` (HOST:PORT).
     """
     if backend == "tcp":
         if etcd_endpoint is not None:
             raise UserError("an etcd endpoint was given but the store backend is tcp")
-        tcp = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
-        return tcp, StoreSpec("tcp", "127.0.0.1", tcp.port, "")
+        host, port = listen
+        listener = _listen(host, port)
+        # TCPStore's own server listens on every interface; handed a socket bound to the one
+        # address it is given, it serves that address only (the TCP store has no
+        # authentication of its own).
+        tcp = dist.TCPStore(
+            host,
+            listener.getsockname()[1],
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timeout,
+            master_listen_fd=listener.detach(),  # the store owns the socket from here on
+        )
+        return tcp, StoreSpec("tcp", host, tcp.port, "")
     if backend == "etcd":
         if etcd_endpoint is None:
             raise UserError("the etcd store backend needs an etcd endpoint (HOST:PORT)")

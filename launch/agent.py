@@ -54,6 +54,7 @@ EXIT_COORDINATOR_LOST = 3  # as a worker that loses its coordinator (spotline.el
 POLL_S = 0.05
 DEFAULT_PRELOAD = "spotline.elastic"
 LOCAL_MACHINE = "local"
+SPAWNER_READY_WAIT_S = 300.0
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
 
 
@@ -173,7 +174,9 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     parser.add_argument("--slots", type=int, required=True, help="worker processes here")
     parser.add_argument("--name", default=None, help="this machine's name (default: hostname)")
-    parser.add_argument("--address", default=None, help="the address peers reach this machine at")
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--address", default=None, help="the address peers reach this machine at")
+    where.add_argument("--iface", default=None, help="the interface peers reach this machine on")
     parser.add_argument("--logs", default=None, help="worker logs (default: spotline-agent/NAME)")
     parser.add_argument(
         "--lost-after",
@@ -229,13 +232,30 @@ def run_agent(args: argparse.Namespace) -> int:
             flush=True,
         )
         return EXIT_COORDINATOR_LOST
-    address = args.address or local_address(host, port)
-    machine = MachineInfo(name, args.slots, address, iface="")
+    from spotline.net import gloo_environment, resolve
+
+    if args.address is not None or args.iface is not None:
+        binding = resolve(address=args.address, iface=args.iface)
+    else:  # the interface that routes to the coordinator
+        binding = resolve(address=local_address(host, port))
+    if not binding.ip.startswith("127."):
+        # gloo (NCCL on GPUs) binds where the peers reach this machine, not where its
+        # host name happens to resolve. One machine's `spotline train` (loopback) keeps
+        # gloo's default.
+        env.update(gloo_environment(binding.ifname))
+    machine = MachineInfo(name, args.slots, binding.ip, binding.ifname)
     logs = Path(args.logs or f"spotline-agent/{name}")
     spawner = Spawner(args.preload or [DEFAULT_PRELOAD], env, logs / "spawner.log")
     agent = Agent(store, machine, spawner.start, env=env, logs=logs)
     signal.signal(signal.SIGTERM, lambda signum, frame: agent.notice())
     try:
+        # Joined only once a worker can be forked at once: the agent's loop (its heartbeat)
+        # never waits on the imports.
+        try:
+            spawner.wait_ready(SPAWNER_READY_WAIT_S)
+        except RuntimeError as exc:
+            print(f"spotline agent {name}: {exc}; see {logs}/spawner.log", file=sys.stderr)
+            return 1
         agent.join()
         return _serve(agent, args.lost_after)
     finally:

@@ -127,6 +127,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from spotline.tracking import SUMMARY_NAME, write_json_atomic
 
     try:
+        listen = _parse_listen(args.listen) if getattr(args, "listen", None) else None
         cfg, output, resume_from = _prepare_run(args)
     except UserError as exc:
         return fail(str(exc))
@@ -140,10 +141,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
     env = child_environment()
     env["OMP_NUM_THREADS"] = str(cfg.spotline.determinism.intra_op_threads)
     try:
-        coordinator = Coordinator(cfg, resolved, output, env=env, resume_from=resume_from)
+        coordinator = Coordinator(
+            cfg, resolved, output, env=env, resume_from=resume_from, listen=listen
+        )
     except UserError as exc:  # e.g. an unreachable etcd
         return fail(str(exc))
     return _supervise(coordinator, output)
+
+
+def _parse_listen(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise UserError(
+            f"--listen {text!r} is not ADDR:PORT; give an address of this machine the agents "
+            "reach, e.g. --listen 10.0.0.5:29400"
+        )
+    return host, int(port)
 
 
 def _prepare_run(args: argparse.Namespace) -> tuple[Any, Path, int | None]:
@@ -393,6 +406,16 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser(
         "agent", help="one per machine: start the workers a coordinator orders", add_help=False
     )
+    coordinator_parser = sub.add_parser(
+        "coordinator", help="the control plane of a job on many machines"
+    )
+    build_train_parser(coordinator_parser)
+    coordinator_parser.add_argument(
+        "--listen",
+        required=True,
+        metavar="ADDR:PORT",
+        help="where the machines' agents (spotline agent --join) reach the coordinator",
+    )
     if argv and argv[0] == "agent":
         from spotline.launch.agent import main as agent_main
 
@@ -410,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = parser.parse_args(argv)
-    if args.command == "train":
+    if args.command in ("train", "coordinator"):
         return cmd_train(args)
     return fail(f"unknown command {args.command}")  # pragma: no cover - argparse rejects it
 

@@ -90,7 +90,11 @@ class Coordinator:
         *,
         env: dict[str, str],
         resume_from: int | None = None,
+        listen: tuple[str, int] | None = None,
     ) -> None:
+        """``listen``: ``spotline coordinator``'s address (the control plane alone: the
+        machines' agents join it); None: ``spotline train``'s one machine (a local agent, the
+        store on 127.0.0.1)."""
         self.cfg = cfg
         self.sl = cfg.spotline
         self.output = output
@@ -103,8 +107,12 @@ class Coordinator:
 
         rec = self.sl.recovery
         self.store, self.store_spec = host_store(
-            rec.store, etcd_endpoint=rec.etcd_endpoint, timeout=timedelta(seconds=60)
+            rec.store,
+            etcd_endpoint=rec.etcd_endpoint,
+            timeout=timedelta(seconds=60),
+            listen=listen or ("127.0.0.1", 0),
         )
+        self.cluster = listen is not None
         self.generation = 0
         # When the last generation's first member reported (the clock of a change without
         # a failure starts there).
@@ -258,7 +266,10 @@ class Coordinator:
     def run(self) -> dict[str, Any]:
         S, P = self.cfg.num_stages, self.cfg.num_pipelines
         ids = []
-        self._start_local_agent(slots=self.faults.initial_workers())
+        if self.cluster:
+            self._wait_for_machines(slots=self.faults.initial_workers())
+        else:
+            self._start_local_agent(slots=self.faults.initial_workers())
         for _ in range(self.faults.initial_workers()):
             wid = self.supervisor.spawn()
             self.planner.include(wid, 0)
@@ -340,6 +351,25 @@ class Coordinator:
                     f"{self.output}/logs/agent.log"
                 )
             time.sleep(0.02)
+
+    def _wait_for_machines(self, slots: int) -> None:
+        """``spotline coordinator``: the run starts once the machines that joined have
+        ``slots`` slots (the workers the run starts with)."""
+        machines = self.supervisor.machines
+        have = -1
+        while have < slots:
+            machines.refresh()
+            joined = sum(m.slots for m in machines.joined.values())
+            if joined != have:
+                have = joined
+                print(
+                    f"spotline: {len(machines.joined)} machine(s) joined with {have} of the "
+                    f"{slots} slots the run starts with; join more with `spotline agent "
+                    f"--join {self.store_spec.host}:{self.store_spec.port} --slots K`",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            time.sleep(0.05)
 
     def _end_agents(self) -> None:
         """The job is over: every agent exits once its workers have."""
@@ -523,7 +553,15 @@ class Coordinator:
         """One turn of generation ``g``'s watch: exits, heartbeats, the stall limit, faults,
         arrivals, a stop, checkpoint errors and commits, progress, departures."""
         sup = self.supervisor
-        for w in sup.poll():
+        if self.local_agent is not None and self.local_agent.poll() is not None:
+            raise JobError(
+                f"the local agent exited ({self.local_agent.returncode}); see "
+                f"{self.output}/logs/agent.log"
+            )
+        # A cluster's machine is lost when its agent goes quiet; the one local machine's
+        # agent is this process's child, whose exit is seen above.
+        timeout_s = self.sl.recovery.heartbeat_timeout_s if self.cluster else None
+        for w in sup.poll(machine_timeout_s=timeout_s):
             if sup[w].fate in ("killed", "crashed") and w in self.members():
                 self.metrics.pending_failure_t = (
                     self.metrics.pending_failure_t or self.metrics.now()

@@ -11,6 +11,9 @@ from typing import Any
 
 import pytest
 
+# The cluster-of-namespaces fixture (tests/netns.py), for every test module.
+from netns import netns_cluster  # noqa: F401
+
 REPO = Path(__file__).resolve().parent.parent
 
 # A tiny GPT-2 with dropout off: the computation a single-process transformers model can

@@ -101,6 +101,20 @@ class Spawner:
         self._buffer = b""
         self._by_pid: dict[int, ForkedProcess] = {}
         self._started: dict[str, int] = {}
+        self.ready = False  # the zygote has imported its modules
+
+    def wait_ready(self, timeout_s: float) -> None:
+        """Wait until the zygote has imported its modules (a start is a fork from then on:
+        an agent joins only once it can start a worker at once)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.ready:
+            if self._zygote.poll() is not None:
+                raise RuntimeError(
+                    f"the worker spawner exited with {self._zygote.returncode} while importing"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the worker spawner did not import in {timeout_s:g} s")
+            self.read_replies(0.1)
 
     def start(
         self, request_id: str, module: str, argv: list[str], env: dict[str, str], log: Path
@@ -138,7 +152,9 @@ class Spawner:
         *lines, self._buffer = self._buffer.split(b"\n")
         for raw in lines:
             reply = json.loads(raw)
-            if "code" in reply:
+            if "ready" in reply:
+                self.ready = True
+            elif "code" in reply:
                 proc = self._by_pid.get(reply["pid"])
                 if proc is not None:
                     proc.returncode = reply["code"]
@@ -209,6 +225,8 @@ def _serve(preload: list[str]) -> int:
         "a preloaded module started a thread; the spawner cannot fork safely"
     )
     out = sys.stdout.buffer
+    out.write(json.dumps({"ready": True}).encode() + b"\n")  # the imports are done
+    out.flush()
     requests = sys.stdin.fileno()
     pending = b""
     children: dict[int, str] = {}  # pid -> the request's id

@@ -27,6 +27,9 @@ from spotline.protocol import Store, error_key, heartbeat_key, joined_key
 
 Fate = Literal["running", "killed", "terminated", "left", "exited", "crashed", "restarted"]
 SHUTDOWN_WAIT_S = 30
+# A worker's missed heartbeat is its own hang only while its agent still beats (every 50 ms):
+# an agent quiet this long means the whole machine is going, which lost_machines() decides.
+AGENT_QUIET_S = 1.0
 WORKER_MODULE = "spotline.elastic"  # run as ``python -m WORKER_MODULE``
 SIGNALLED = (0, -signal.SIGKILL, -signal.SIGTERM)  # exit codes that are no worker error
 
@@ -69,6 +72,8 @@ class Supervisor:
         self.workers: dict[str, WorkerProc] = {}
         self.next_index = 0  # also the number of workers ever started
         self.machines = Machines(store)
+        # Per machine: its agent's last heartbeat value, and when this process saw it change.
+        self._agent_seen: dict[str, tuple[float | None, float]] = {}
 
     def spawn(self, *, warm: bool = False) -> str:
         """Start a worker process; returns its id."""
@@ -148,10 +153,41 @@ class Supervisor:
         self.workers[wid].proc.send_signal(signal.SIGKILL)
         self.workers[wid].fate = fate
 
-    def poll(self) -> list[str]:
-        """The workers that exited since the last poll. JobError if one exited with an error
-        it reported."""
+    def lost_machines(self, limit_s: float) -> list[str]:
+        """Machines with live workers whose agent's heartbeat has not changed for
+        ``limit_s`` seconds of this process's clock (the agents' clocks are never compared
+        with it): killed outright, or silently cut off."""
+        now = time.monotonic()
+        lost = []
+        for m in {p.proc.machine for p in self.workers.values() if p.alive}:
+            beat = self.machines.last_heartbeat(m)
+            seen = self._agent_seen.get(m)
+            if seen is None or seen[0] != beat:
+                self._agent_seen[m] = (beat, now)
+            elif now - seen[1] > limit_s:
+                lost.append(m)
+        return lost
+
+    def silent_s(self, machine: str) -> float:
+        """How long this process has seen no new heartbeat from ``machine``'s agent."""
+        seen = self._agent_seen.get(machine)
+        return 0.0 if seen is None else time.monotonic() - seen[1]
+
+    def poll(self, machine_timeout_s: float | None = None) -> list[str]:
+        """The workers that exited since the last poll, and those of a machine lost (its
+        agent silent for ``machine_timeout_s``). JobError if one exited with an error it
+        reported."""
         died = []
+        for m in self.lost_machines(machine_timeout_s) if machine_timeout_s else []:
+            self.metrics.event("machine-lost", machine=m)
+            for w, p in self.workers.items():
+                if p.alive and p.proc.machine == m:
+                    p.alive = False
+                    if p.fate == "running":
+                        self.metrics.note_preemption()
+                        self.metrics.event("preempted", worker=w, signal="machine")
+                    p.fate = "killed"
+                    died.append(w)
         for w, p in self.workers.items():
             if p.alive and p.proc.poll() is not None:
                 p.alive = False
@@ -175,6 +211,8 @@ class Supervisor:
         """SIGKILL a live worker whose last heartbeat is older than ``limit_s`` (hung)."""
         now = time.time()
         for w in self.live_ids():
+            if self.silent_s(self.workers[w].proc.machine) > AGENT_QUIET_S:
+                continue  # its whole machine is going quiet: lost_machines() decides
             key = heartbeat_key(w)
             if self.store.check([key]):
                 last = float(self.store.get(key).decode())
@@ -185,11 +223,16 @@ class Supervisor:
     def wait_all(self, timeout_s: float) -> None:
         """Wait for every worker to exit; one still running after ``timeout_s`` is killed."""
         for p in self.workers.values():
+            if not p.alive and p.proc.returncode is None:
+                continue  # its machine was lost: no agent will tell how it ended
             try:
                 p.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 p.proc.kill()
-                p.proc.wait()
+                try:
+                    p.proc.wait(timeout=timeout_s)
+                except subprocess.TimeoutExpired:
+                    pass  # its agent is gone too; it stops its workers on its own
 
     def shutdown(self) -> None:
         """Stop every worker (Ctrl-C or a coordinator error): nothing is left running (a
