@@ -25,7 +25,7 @@ from spotline.launch.control.spawner import ForkedProcess, Spawner
 from spotline.protocol import Store, error_key, heartbeat_key, joined_key
 
 Fate = Literal["running", "killed", "terminated", "left", "exited", "crashed", "restarted"]
-WORKER_MODULE = "spotline.elastic"  # run as ``python -m WORKER_MODULE``
+WORKER_MODULE = "spotline.launch.elastic_worker"  # run as ``python -m WORKER_MODULE``
 SIGNALLED = (0, -signal.SIGKILL, -signal.SIGTERM)  # exit codes that are no worker error
 
 
