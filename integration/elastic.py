@@ -17,8 +17,13 @@ training is done. Then the worker:
    process group, builds the engine for the new layout and loads its stages, receiving
    any it does not hold from the member the plan names (in memory, never from disk), then
    rebuilds replicas by a ring transfer from their owners;
-5. resumes at the committed step. The sampler, the dropout seeds and every reduction are
-   functions of the logical topology, so the result is bitwise what an undisturbed run gives.
+5. resumes at the committed step, in the step loop every entry point runs
+   (``spotline.loop.train_engine``) with this worker's hooks: progress and stop checks,
+   rebalancing, losses to the store, checkpoints. The sampler, the dropout seeds and every
+   reduction are functions of the logical topology, so the result is bitwise what an
+   undisturbed run gives (and what ``deepspeed launch/train.py`` gives).
+
+The process entry point is ``launch/elastic_worker.py``.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from spotline.checkpoint import CheckpointWriter, load_all
 from spotline.config import RunConfig
 from spotline.engine import build_engine, deepspeed_config_for
 from spotline.exact import NonFiniteGradient
+from spotline.loop import EngineLog, StepDone, StepHooks, slow_machine, train_engine
 from spotline.lr_schedule import StepSchedule, constructor_hyper
 from spotline.plan import logical
 from spotline.plan.chaos import parse_injections
@@ -55,13 +61,11 @@ from spotline.protocol import (
     Outcome,
     Plan,
     Rebalance,
-    ReplicaMismatch,
     Report,
     WorkerStats,
     abort_key,
     checkpoint_error_key,
     entry_key,
-    error_key,
     heartbeat_key,
     joined_key,
     leaving_key,
@@ -76,7 +80,7 @@ from spotline.protocol import (
     stop_key,
 )
 from spotline.redundancy import RedundantPipelineEngine
-from spotline.runtime import configure_process, param_sha256, peak_rss_mib, seed_everything
+from spotline.runtime import configure_process, peak_rss_mib, seed_everything
 
 OPT_KEYS = ("step", "exp_avg", "exp_avg_sq")
 # A worker whose coordinator is gone exits with this code (nobody is left to read it, but a
@@ -299,8 +303,9 @@ class ElasticWorker:
         self.holdings = Holdings()
         self.leaving = False
         self.injections = parse_injections(cfg.spotline.recovery.inject)
-        self.losses: dict[int, float] = {}
-        self.step_times: dict[int, float] = {}
+        # Losses, times, rates and replica checks of every step this worker ran (all
+        # generations): what the shared loop records, reported to the coordinator.
+        self.log = EngineLog()
         self._hb_stop = threading.Event()
         self._lost_lock = threading.Lock()
         self._lost_said = False
@@ -309,8 +314,6 @@ class ElasticWorker:
         self._training_generation: int | None = None
         self.train_start_t = float("inf")
         self.train_end_t = 0.0
-        self.replica_checks = 0
-        self.replica_mismatches: list[ReplicaMismatch] = []
         self.redundant_s = 0.0
         self.replica_sync_s = 0.0
         # Speed measurement: seconds per logical worker on this rank since the last rebalance.
@@ -474,8 +477,8 @@ class ElasticWorker:
         stats = WorkerStats(
             train_start_t=self.train_start_t if self.train_start_t != float("inf") else None,
             train_end_t=self.train_end_t or None,
-            replica_checks=self.replica_checks,
-            replica_mismatches=tuple(self.replica_mismatches),
+            replica_checks=self.log.replica_checks,
+            replica_mismatches=tuple(self.log.replica_mismatches),
             redundant_compute_s=self.redundant_s,
             replica_sync_s=self.replica_sync_s,
             seconds_per_logical_worker=(
@@ -490,8 +493,8 @@ class ElasticWorker:
             outcome=outcome if not self.leaving else "leaving",
             holdings=tuple(self.holdings.report()),
             previous_slot=previous,
-            losses=dict(self.losses),
-            step_times=dict(self.step_times),
+            losses=dict(self.log.losses),
+            step_times=dict(self.log.step_times),
             peak_rss_mib=peak_rss_mib(),
             stats=stats,
             error=self.error,
@@ -500,7 +503,6 @@ class ElasticWorker:
 
     # -- one generation ---------------------------------------------------------------
     def _run_generation(self, generation: int, plan: Plan, layout: Layout) -> Outcome:
-        sl = self.cfg.spotline
         resume = plan.resume_step
         self._roll_forward_to(resume)
         rank = layout.rank_of(self.wid)
@@ -513,18 +515,7 @@ class ElasticWorker:
         outcome: Outcome = "failed"
         self.error = None
         try:
-            dist.init_process_group(
-                "gloo",
-                store=dist.PrefixStore(process_group_prefix(generation), self.store),
-                rank=rank,
-                world_size=world,
-                timeout=timedelta(seconds=sl.recovery.collective_timeout_s),
-            )
-            import deepspeed
-            import deepspeed.ops
-
-            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-            deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+            self._join_process_group(generation, rank, world)
             engine = self._build_engine(layout)
             assert plan.logical is not None  # a plan with a layout assigns logical workers
             self._place_logical_workers(engine, plan.logical)
@@ -557,6 +548,21 @@ class ElasticWorker:
         self._training_generation = None
         self._teardown()
         return outcome
+
+    def _join_process_group(self, generation: int, rank: int, world: int) -> None:
+        """The generation's gloo group (``pg/<g>`` in the store), and DeepSpeed's view of it."""
+        dist.init_process_group(
+            "gloo",
+            store=dist.PrefixStore(process_group_prefix(generation), self.store),
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=self.cfg.spotline.recovery.collective_timeout_s),
+        )
+        import deepspeed
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
 
     def _abort_generation(self, generation: int) -> None:
         """Tell every member at once (their watchdogs unblock them), and unblock our peers."""
@@ -626,79 +632,94 @@ class ElasticWorker:
     def _load_state(self, engine: RedundantPipelineEngine, layout: Layout, plan: Plan) -> None:
         """Own stages from memory or from the plan's source; replicas by a ring transfer."""
         self._recipe = self._optimizer_recipe(engine)
-        holders = plan.holders
-        sources = dict(plan.sources)
-        fresh = not holders  # generation 0: everyone starts from the initial weights
-        own_names = self._names_by_stage(engine.module.named_parameters())
-        ops: list[dist.P2POp] = []
-        incoming: list[tuple[int, torch.Tensor]] = []
-        if not fresh:
-            # Every member computes the same transfer list from the plan.
-            for member in layout.members:
-                for stage in layout.stages_of(member):
-                    if member in holders[stage]:
-                        continue
-                    src = sources[stage]
-                    if src == self.wid:
-                        names = self._names_for_stage_from_holdings(stage)
-                        ops.append(
-                            dist.P2POp(
-                                dist.isend,
-                                pack(names, self.holdings.stages[stage]),
-                                layout.rank_of(member),
-                            )
-                        )
-                    if member == self.wid:
-                        buf = torch.empty(packed_numel(own_names[stage]))
-                        ops.append(dist.P2POp(dist.irecv, buf, layout.rank_of(src)))
-                        incoming.append((stage, buf))
-            if ops:
-                for work in dist.batch_isend_irecv(ops):
-                    work.wait()
-            for stage, buf in incoming:
-                self.holdings.stages[stage] = unpack(own_names[stage], buf, plan.resume_step)
-            params = dict(engine.module.named_parameters())
-            for stage, names in own_names.items():
-                st = self.holdings.stages[stage]
-                for name, _ in names:
-                    with torch.no_grad():
-                        params[name].copy_(st.params[name])
-                    engine.optimizer.state[params[name]] = {
-                        k: v.clone() for k, v in st.opt[name].items()
-                    }
+        # Generation 0 (no holders): everyone starts from the initial weights.
+        if plan.holders:
+            self._receive_own_stages(engine, layout, plan)
+            self._load_own_stages(engine)
         resume = plan.resume_step
         engine.applied_steps = resume
         engine.global_steps = resume
         # DeepSpeed's scheduler object starts at zero in every new engine: move it to the
         # committed step (the rate each update uses comes from engine.step_schedule anyway).
         engine.step_schedule.position(engine.lr_scheduler, resume)
-        # Replicas: each physical stage sends its whole state to its predecessor.
         if engine.replica is not None:
-            mine = self._names_by_stage(engine.module.named_parameters())
-            my_state = self._engine_stage_state(engine)
-            flat_out = torch.cat([pack(mine[s], my_state[s]) for s in sorted(mine)])
-            rep_names = self._names_by_stage(engine.replica.named_params)
-            flat_in = torch.empty(sum(packed_numel(rep_names[s]) for s in sorted(rep_names)))
-            pred = engine._peer(engine.stage_id - 1)
-            succ = engine._peer(engine.stage_id + 1)
-            for work in dist.batch_isend_irecv(
-                [dist.P2POp(dist.isend, flat_out, pred), dist.P2POp(dist.irecv, flat_in, succ)]
-            ):
-                work.wait()
-            offset = 0
-            rparams = dict(engine.replica.named_params)
-            for stage in sorted(rep_names):
-                n = packed_numel(rep_names[stage])
-                st = unpack(rep_names[stage], flat_in[offset : offset + n], resume)
-                offset += n
-                for name, _ in rep_names[stage]:
-                    with torch.no_grad():
-                        rparams[name].copy_(st.params[name])
-                    engine.replica.optimizer.state[rparams[name]] = {
-                        k: v.clone() for k, v in st.opt[name].items()
-                    }
-            engine.replica_applied_steps = resume
+            self._load_replica(engine, resume)
         self.holdings = Holdings()  # the engine holds it all now
+
+    def _receive_own_stages(
+        self, engine: RedundantPipelineEngine, layout: Layout, plan: Plan
+    ) -> None:
+        """Send the stages the plan's members lack from their sources (this worker among
+        them) and receive this worker's into its holdings. Every member computes the same
+        transfer list from the plan."""
+        own_names = self._names_by_stage(engine.module.named_parameters())
+        holders = plan.holders
+        sources = dict(plan.sources)
+        ops: list[dist.P2POp] = []
+        incoming: list[tuple[int, torch.Tensor]] = []
+        for member in layout.members:
+            for stage in layout.stages_of(member):
+                if member in holders[stage]:
+                    continue
+                src = sources[stage]
+                if src == self.wid:
+                    names = self._names_for_stage_from_holdings(stage)
+                    ops.append(
+                        dist.P2POp(
+                            dist.isend,
+                            pack(names, self.holdings.stages[stage]),
+                            layout.rank_of(member),
+                        )
+                    )
+                if member == self.wid:
+                    buf = torch.empty(packed_numel(own_names[stage]))
+                    ops.append(dist.P2POp(dist.irecv, buf, layout.rank_of(src)))
+                    incoming.append((stage, buf))
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        for stage, buf in incoming:
+            self.holdings.stages[stage] = unpack(own_names[stage], buf, plan.resume_step)
+
+    def _load_own_stages(self, engine: RedundantPipelineEngine) -> None:
+        """Copy the held own stages (parameters and optimizer state) into the engine."""
+        params = dict(engine.module.named_parameters())
+        for stage, names in self._names_by_stage(engine.module.named_parameters()).items():
+            st = self.holdings.stages[stage]
+            for name, _ in names:
+                with torch.no_grad():
+                    params[name].copy_(st.params[name])
+                engine.optimizer.state[params[name]] = {
+                    k: v.clone() for k, v in st.opt[name].items()
+                }
+
+    def _load_replica(self, engine: RedundantPipelineEngine, resume: int) -> None:
+        """Replicas: each physical stage sends its whole state to its predecessor."""
+        assert engine.replica is not None
+        mine = self._names_by_stage(engine.module.named_parameters())
+        my_state = self._engine_stage_state(engine)
+        flat_out = torch.cat([pack(mine[s], my_state[s]) for s in sorted(mine)])
+        rep_names = self._names_by_stage(engine.replica.named_params)
+        flat_in = torch.empty(sum(packed_numel(rep_names[s]) for s in sorted(rep_names)))
+        pred = engine._peer(engine.stage_id - 1)
+        succ = engine._peer(engine.stage_id + 1)
+        for work in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, flat_out, pred), dist.P2POp(dist.irecv, flat_in, succ)]
+        ):
+            work.wait()
+        offset = 0
+        rparams = dict(engine.replica.named_params)
+        for stage in sorted(rep_names):
+            n = packed_numel(rep_names[stage])
+            st = unpack(rep_names[stage], flat_in[offset : offset + n], resume)
+            offset += n
+            for name, _ in rep_names[stage]:
+                with torch.no_grad():
+                    rparams[name].copy_(st.params[name])
+                engine.replica.optimizer.state[rparams[name]] = {
+                    k: v.clone() for k, v in st.opt[name].items()
+                }
+        engine.replica_applied_steps = resume
 
     def _names_by_stage(self, named: Any) -> dict[int, list[tuple[str, torch.Size]]]:
         out: dict[int, list[tuple[str, torch.Size]]] = {}
@@ -721,50 +742,30 @@ class ElasticWorker:
         return out
 
     def _train(self, engine: RedundantPipelineEngine, generation: int, resume: int) -> Outcome:
+        """The shared loop (``spotline.loop``) plus this worker's hooks, from ``resume``."""
         sl = self.cfg.spotline
-        current = {"step": resume}
-
-        def phase_hook(phase: str) -> None:
-            # Phase-less injections are the coordinator's (at a step boundary, several at once).
-            for inj in self.injections:
-                if (
-                    inj.signal in ("kill", "term")
-                    and inj.phase == phase
-                    and inj.worker == self.index
-                    and inj.step == current["step"]
-                ):
-                    os.kill(os.getpid(), signal.SIGKILL if inj.signal == "kill" else signal.SIGTERM)
-
-        engine.phase_hook = phase_hook
-        engine.on_logical_worker_done = self._logical_worker_done
+        hooks = _GenerationHooks(self, engine, generation, resume)
+        engine.phase_hook = hooks.inject
+        engine.on_logical_worker_done = self._measure_logical_worker
+        factor = sl.elasticity.slow_factor
+        if self.index == sl.elasticity.slow_worker and factor > 1:
+            engine.on_logical_worker_done = slow_machine(factor, self._measure_logical_worker)
         self._lw_seconds, self._lw_count = 0.0, 0
         # The commit barrier stays gloo's: if a peer fails while others wait in it, the
         # watchdog (heartbeat thread) sees the abort and shuts this process's connections.
-        for step in range(resume, sl.training.steps):
-            current["step"] = step
-            self.store.set(progress_key(generation, self.wid), str(step))
-            if self._should_stop(generation, step):
-                self._checkpoint_at_stop(engine, generation, step)
-                self._save_holdings(engine)
-                return "boundary"
-            every = sl.elasticity.rebalance_every
-            if every > 0 and step > resume and (step - resume) % every == 0:
-                self._rebalance(engine, step)
-            # A generation's first step pays one-off costs (allocations, first collectives):
-            # not a measure of speed.
-            self._measuring = step > resume
-            t0 = time.perf_counter()
-            self.losses[step] = engine.train_step(seed=sl.training.seed, step=step)
-            if dist.get_rank() == 0:
-                self.store.set(loss_key(step), repr(self.losses[step]))
-                self.store.set(lr_key(step), repr(float(engine.step_schedule.at(step)["lr"])))
-            self.step_times[step] = time.perf_counter() - t0
-            self.train_start_t = min(self.train_start_t, time.time() - self.step_times[step])
-            self.train_end_t = time.time()
-            if sl.redundancy.verify_replicas and engine.replica is not None:
-                self._verify_replicas(engine, step)
-            self._maybe_checkpoint(engine, step + 1)
-            self._publish_checkpoint_errors()
+        end = train_engine(
+            engine,
+            seed=sl.training.seed,
+            start=resume,
+            stop=sl.training.steps,
+            log=self.log,
+            verify_replicas=sl.redundancy.verify_replicas,
+            hooks=[hooks],
+        )
+        if end.stopped_at is not None:
+            self._checkpoint_at_stop(engine, generation, end.stopped_at)
+            self._save_holdings(engine)
+            return "boundary"
         self._save_holdings(engine)
         self._finish(engine, generation)
         return "done"
@@ -788,12 +789,8 @@ class ElasticWorker:
                 Rebalance(step, tuple(self._assignment[p] for p in sorted(assignment)))
             )
 
-    def _logical_worker_done(self, worker: int, seconds: float) -> None:
-        factor = self.cfg.spotline.elasticity.slow_factor
-        if self.index == self.cfg.spotline.elasticity.slow_worker and factor > 1:
-            # The demo's slow machine: this share of the step takes ``factor`` times as long.
-            time.sleep((factor - 1) * seconds)
-            seconds *= factor
+    def _measure_logical_worker(self, worker: int, seconds: float) -> None:
+        """``engine.on_logical_worker_done``: this rank's speed, for the next rebalance."""
         if self._measuring:
             self._lw_seconds += seconds
             self._lw_count += 1
@@ -823,18 +820,6 @@ class ElasticWorker:
             self._place_logical_workers(
                 engine, {p: list(ws) for p, ws in proposed.items()}, rebalanced_at=step
             )
-
-    def _verify_replicas(self, engine: RedundantPipelineEngine, step: int) -> None:
-        assert engine.replica is not None
-        mine = (engine.stage_id, engine.own_digest(), engine.replica.stage, engine.replica_digest())
-        group = engine.grid.get_pipe_parallel_group()
-        gathered: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(gathered, mine, group=group)
-        owners = {stage: digest for stage, digest, _, _ in gathered}
-        self.replica_checks += 1
-        for _, _, stage, digest in gathered:
-            if owners[stage] != digest:
-                self.replica_mismatches.append(ReplicaMismatch(step, stage))
 
     def _should_stop(self, generation: int, step: int) -> bool:
         key = stop_key(generation)
@@ -946,79 +931,61 @@ class ElasticWorker:
 
     def _finish(self, engine: RedundantPipelineEngine, generation: int) -> None:
         """Rank 0 of the last generation gathers the parameters, hashes and exports them."""
-        mine: dict[str, torch.Tensor] = {}
-        if engine.grid.data_parallel_id == 0:
-            mine = {k: v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
-        gathered: list[dict[str, torch.Tensor]] | None = (
-            [{} for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
-        )
-        dist.gather_object(mine, gathered, dst=0)
-        if gathered is not None:
-            full: dict[str, torch.Tensor] = {}
-            for part in gathered:
-                full.update(part)
-            hf = models.layer_names_to_hf(full, self.hf_config)
-            models.save_pretrained(
-                models.hf_to_layer_names(hf, self.hf_config),
-                self.hf_config,
-                str(self.output / "model"),
-            )
-            self.store.set(
-                FINAL_HASH_KEY, param_sha256(models.drop_tied_aliases(hf, self.hf_config))
-            )
+        from spotline.trainer import export_final_model
+
+        digest = export_final_model(engine, self.hf_config, self.output)
+        if digest is not None:
+            self.store.set(FINAL_HASH_KEY, digest)
         dist.barrier()
 
 
-def _tell_coordinator(worker: ElasticWorker | None, cause: str) -> None:
-    """Why this worker exits with an error (``error/<worker>``): the coordinator stops the
-    job with it instead of taking the exit for a preemption."""
-    if worker is None:
-        return
-    try:
-        worker.store.set(error_key(worker.wid), f"worker {worker.wid}: {cause}")
-    except Exception:  # the coordinator is gone: nobody to tell
-        pass
+class _GenerationHooks(StepHooks):
+    """What an elastic worker adds to the shared loop (``spotline.loop``) in one generation:
+    its progress and the stop check at each boundary, rebalancing, losses and rates to the
+    store (rank 0), its clocks, checkpoints; and the phase-timed fault injections."""
 
+    def __init__(
+        self, worker: ElasticWorker, engine: RedundantPipelineEngine, generation: int, resume: int
+    ) -> None:
+        self.worker = worker
+        self.engine = engine
+        self.generation = generation
+        self.resume = resume
+        self.step = resume
 
-def main() -> int:
-    import argparse
+    def inject(self, phase: str) -> None:
+        """``engine.phase_hook``: a kill or SIGTERM injection timed at this step's ``phase``.
+        Phase-less injections are the coordinator's (at a step boundary, several at once)."""
+        w = self.worker
+        for inj in w.injections:
+            if (
+                inj.signal in ("kill", "term")
+                and inj.phase == phase
+                and inj.worker == w.index
+                and inj.step == self.step
+            ):
+                os.kill(os.getpid(), signal.SIGKILL if inj.signal == "kill" else signal.SIGTERM)
 
-    from spotline.config import load_config
-    from spotline.errors import UserError
+    def before_step(self, step: int) -> bool:
+        w = self.worker
+        self.step = step
+        w.store.set(progress_key(self.generation, w.wid), str(step))
+        if w._should_stop(self.generation, step):
+            return True
+        every = w.cfg.spotline.elasticity.rebalance_every
+        if every > 0 and step > self.resume and (step - self.resume) % every == 0:
+            w._rebalance(self.engine, step)
+        # A generation's first step pays one-off costs (allocations, first collectives):
+        # not a measure of speed.
+        w._measuring = step > self.resume
+        return False
 
-    parser = argparse.ArgumentParser(prog="spotline-elastic-worker")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--output", required=True)
-    parser.add_argument("--worker-id", required=True)
-    parser.add_argument("--store", required=True)
-    args = parser.parse_args()
-    worker: ElasticWorker | None = None
-    try:
-        worker = ElasticWorker(
-            load_config(args.config), args.worker_id, args.store, Path(args.output)
-        )
-        return worker.run()
-    except UserError as exc:
-        print(f"spotline: error: {exc}", flush=True)
-        _tell_coordinator(worker, str(exc))
-        return 2
-    except Exception as exc:
-        # A store operation failed because the coordinator is gone (SIGKILLed, its machine
-        # lost): one line, not a DistNetworkError traceback.
-        if worker is not None and worker.coordinator_lost():
-            worker.say_coordinator_lost()
-            # Gloo's threads and sockets to the peers must not run interpreter teardown.
-            os._exit(EXIT_COORDINATOR_LOST)
-        # An error outside a generation (reading a checkpoint, loading the data): the
-        # traceback to this worker's log, the cause to the coordinator (``error/<worker>``),
-        # which stops the job with it instead of taking this exit for a preemption.
-        try:
-            traceback.print_exc()
-        except OSError:  # the log is on a full disk
-            pass
-        _tell_coordinator(worker, one_line(exc))
-        return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    def after_step(self, done: StepDone) -> None:
+        w = self.worker
+        if dist.get_rank() == 0:
+            w.store.set(loss_key(done.step), repr(done.loss))
+            w.store.set(lr_key(done.step), repr(w.log.learning_rates[done.step]))
+        w.train_start_t = min(w.train_start_t, time.time() - done.seconds)
+        w.train_end_t = time.time()
+        w._maybe_checkpoint(self.engine, done.step + 1)
+        w._publish_checkpoint_errors()

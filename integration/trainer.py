@@ -1,12 +1,14 @@
-"""The training loop of ``deepspeed launch/train.py``: one process, one DeepSpeed pipeline
-engine, a fixed membership and no recovery.
+"""The worker of ``deepspeed launch/train.py``: one process, one DeepSpeed pipeline engine, a
+fixed membership and no recovery; and what both entry points share before and after the loop.
 
-Only DeepSpeed's launcher path runs :func:`run_worker`. ``spotline train`` runs its own loop
-(``ElasticWorker`` in ``spotline.elastic``, with generations and recovery); the two share
-:func:`prepare_inputs` (model config and corpus), the engine (``spotline.engine``,
-``spotline.redundancy``) and the global sampler, not the step loop (issue 11 makes them one
-loop). The loop reads each micro-batch from the global sampler by (step, logical worker,
-micro-batch), so what a pipeline trains on never depends on how many processes exist.
+:func:`run_worker` trains through the step loop every entry point uses,
+``spotline.loop.train_engine``: the same loop ``spotline train``'s workers run
+(``ElasticWorker`` in ``spotline.elastic``), without their hooks (no coordinator, no store,
+no stop checks, rebalancing or checkpoints). Both paths share :func:`prepare_inputs` (model
+config and corpus), the engine (``spotline.engine``, ``spotline.redundancy``), the global
+sampler, which reads each micro-batch by (step, logical worker, micro-batch) so that what a
+pipeline trains on never depends on how many processes exist, and
+:func:`export_final_model` (the exported model and its hash).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from spotline import data as sl_data
 from spotline import models
 from spotline.config import RunConfig
 from spotline.engine import Batch, build_engine, deepspeed_config_for
+from spotline.loop import EngineLog, StepDone, StepHooks, train_engine
+from spotline.loop import replica_mismatches as _replica_mismatches
 from spotline.plan.layout import pipeline_name
 from spotline.plan.logical import assign_logical_workers
 from spotline.plan.sampler import GlobalSampler
@@ -105,7 +109,7 @@ def gather_hf_parameters(engine: Any, hf_config: Any) -> dict[str, torch.Tensor]
 
 @dataclass
 class Worker:
-    """One rank's live training state: what a loop, a test or a benchmark drives."""
+    """One rank's live training state: what :func:`run_worker` or a test drives."""
 
     cfg: RunConfig
     ident: WorkerIdentity
@@ -127,14 +131,19 @@ class Worker:
 
         ``None`` when redundancy is off. Compares digests of parameters and optimizer state.
         """
-        engine = self.engine
-        if engine.replica is None:
-            return None
-        mine = (engine.stage_id, engine.own_digest(), engine.replica.stage, engine.replica_digest())
-        gathered: list[Any] = [None] * dist.get_world_size(engine.grid.get_pipe_parallel_group())
-        dist.all_gather_object(gathered, mine, group=engine.grid.get_pipe_parallel_group())
-        owners = {stage: digest for stage, digest, _, _ in gathered}
-        return sorted(stage for _, _, stage, digest in gathered if owners[stage] != digest)
+        return _replica_mismatches(self.engine)
+
+
+def export_final_model(engine: Any, hf_config: Any, output_dir: Path) -> str | None:
+    """Save pipeline 0's parameters as a Hugging Face model in ``output_dir/model``; returns
+    their ``param_sha256`` on global rank 0 (None elsewhere). Collective: every rank calls it."""
+    hf_params = gather_hf_parameters(engine, hf_config)
+    if hf_params is None:
+        return None
+    models.save_pretrained(
+        models.hf_to_layer_names(hf_params, hf_config), hf_config, str(output_dir / "model")
+    )
+    return param_sha256(models.drop_tied_aliases(hf_params, hf_config))
 
 
 def setup_worker(cfg: RunConfig) -> Worker:
@@ -201,6 +210,18 @@ def setup_worker(cfg: RunConfig) -> Worker:
     return worker
 
 
+class _TrackSteps(StepHooks):
+    """The launcher path's one hook: each step to the tracker (wandb, the progress line)."""
+
+    def __init__(self, tracker: Tracker, log: EngineLog) -> None:
+        self.tracker = tracker
+        self.log = log
+
+    def after_step(self, done: StepDone) -> None:
+        lr = self.log.learning_rates[done.step]
+        self.tracker.log_step(done.step, {"loss": done.loss, "lr": lr, "step_time_s": done.seconds})
+
+
 def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
     """Train ``cfg`` in this process (one rank of the job); rank 0 returns the summary."""
     worker = setup_worker(cfg)
@@ -214,28 +235,21 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
         total_steps=sl.training.steps,
         run_config=cfg.to_json(),
     )
-    losses: list[float] = []
-    learning_rates: list[float] = []
-    step_times: list[float] = []
-    replica_checks = 0
-    replica_mismatches: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-    for step in range(sl.training.steps):
-        t_step = time.perf_counter()
-        losses.append(worker.train_step(step))
-        step_times.append(time.perf_counter() - t_step)
-        learning_rates.append(float(engine.step_schedule.at(step)["lr"]))
-        tracker.log_step(
-            step, {"loss": losses[-1], "lr": learning_rates[-1], "step_time_s": step_times[-1]}
-        )
-        if sl.redundancy.verify_replicas:
-            bad = worker.replica_mismatches()
-            if bad is not None:
-                replica_checks += 1
-                replica_mismatches.extend({"step": step, "stage": s} for s in bad)
-    wall_s = time.perf_counter() - t0
+    log = EngineLog()
+    end = train_engine(
+        engine,
+        seed=sl.training.seed,
+        start=0,
+        stop=sl.training.steps,
+        log=log,
+        verify_replicas=sl.redundancy.verify_replicas,
+        hooks=[_TrackSteps(tracker, log)],
+    )
+    assert end.stopped_at is None  # no hook here stops the loop
+    losses = list(log.losses.values())
+    step_times = list(log.step_times.values())
 
-    hf_params = gather_hf_parameters(engine, worker.hf_config)
+    digest = export_final_model(engine, worker.hf_config, output_dir)
     per_rank = torch.tensor(
         [peak_rss_mib(), engine.redundant_s, engine.replica_sync_s], dtype=torch.float64
     )
@@ -243,15 +257,15 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
     dist.all_gather(gathered, per_rank)
     summary: dict[str, Any] | None = None
     if is_reporter:
-        assert hf_params is not None
+        assert digest is not None
         samples = sl.training.steps * cfg.samples_per_step
         summary = {
             "steps": sl.training.steps,
             "losses": losses,
-            "learning_rates": learning_rates,
+            "learning_rates": list(log.learning_rates.values()),
             "final_loss": losses[-1],
-            "samples_per_s": samples / wall_s,
-            "wall_s": wall_s,
+            "samples_per_s": samples / end.wall_s,
+            "wall_s": end.wall_s,
             "setup_s": worker.setup_s,
             "step_time_s": sorted(step_times)[len(step_times) // 2],
             "workers": cfg.num_workers,
@@ -264,32 +278,21 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "seed": sl.training.seed,
             "deterministic": sl.determinism.enabled,
             "redundancy": engine.redundancy,
-            "param_sha256": param_sha256(models.drop_tied_aliases(hf_params, worker.hf_config)),
+            "param_sha256": digest,
             "peak_rss_mib_per_rank": [float(g[0]) for g in gathered],
             "redundant_compute_s_per_rank": [float(g[1]) for g in gathered],
             "replica_sync_s_per_rank": [float(g[2]) for g in gathered],
-            "replica_checks": replica_checks,
-            "replica_mismatches": replica_mismatches,
+            "replica_checks": log.replica_checks,
+            "replica_mismatches": [m.to_json() for m in log.replica_mismatches],
             "preemptions": 0,
             "recoveries": 0,
             "checkpoint_fallbacks": 0,
             "steps_redone": 0,
             "recovery_events": [],
         }
-        models.save_pretrained(
-            _pipeline_state_from_hf(hf_params, worker.hf_config),
-            worker.hf_config,
-            str(output_dir / "model"),
-        )
         write_json_atomic(output_dir / SUMMARY_NAME, summary)
     tracker.finish(summary)
     dist.barrier()
     # Before the interpreter exits: gloo's threads must not be left to static destruction.
     dist.destroy_process_group()
     return summary
-
-
-def _pipeline_state_from_hf(
-    hf_params: dict[str, torch.Tensor], hf_config: Any
-) -> dict[str, torch.Tensor]:
-    return models.hf_to_layer_names(hf_params, hf_config)

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 EXIT_COORDINATOR_LOST = 3  # as a worker that loses its coordinator (spotline.elastic)
 POLL_S = 0.05
-DEFAULT_PRELOAD = "spotline.elastic"
+DEFAULT_PRELOAD = "spotline.launch.elastic_worker"
 LOCAL_MACHINE = "local"
 SPAWNER_READY_WAIT_S = 300.0
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}

@@ -4,11 +4,11 @@
 
 (``--num_accelerators`` on CPU-only machines; DS_ACCELERATOR=cpu). The launcher sets RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK and appends ``--local_rank``; the number
-of workers is the launcher's world size. Each rank runs ``spotline.trainer.run_worker``: the
-same config, flags, engine (``spotline.engine``, ``spotline.redundancy``), global sampler and
-summary as ``spotline train``, but its own step loop, with no recovery (DeepSpeed's launcher
-kills every rank when one exits). ``spotline train``'s workers run another loop,
-``ElasticWorker`` in ``spotline.elastic``; issue 11 makes the two one.
+of workers is the launcher's world size. Each rank runs ``spotline.trainer.run_worker``
+(through ``launch/worker.py``): the same config, flags, engine (``spotline.engine``,
+``spotline.redundancy``), global sampler, step loop (``spotline.loop``) and summary as
+``spotline train``, with none of its recovery hooks (DeepSpeed's launcher kills every rank
+when one exits).
 """
 
 from __future__ import annotations

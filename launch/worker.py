@@ -1,8 +1,9 @@
-"""One Spotline worker process (started by ``spotline train`` or by DeepSpeed's launcher).
+"""One rank of ``deepspeed launch/train.py`` (started by DeepSpeed's launcher; ``spotline
+train``'s workers are another kind of process, ``launch/elastic_worker.py``).
 
 Reads its rank from the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and a
-resolved config file, and trains. A user mistake found here (normally the launcher finds it
-first) is printed once, by rank 0, and exits 2.
+resolved config file, and trains with ``spotline.trainer.run_worker`` (the shared step loop,
+no recovery). A user mistake found here is printed once, by rank 0, and exits 2.
 """
 
 from __future__ import annotations

@@ -4,8 +4,9 @@ Trains the same PipelineModule (``spotline.models.build_pipeline_module``) on th
 (the global sampler, by step, pipeline and micro-batch) for the same steps as ``spotline
 train``, but through ``deepspeed.initialize`` and DeepSpeed's own ``PipelineEngine`` and
 ``TrainSchedule``: no Spotline engine subclass, no per-layer reseeding, no exact tied-weight
-reduction. The loop and its clocks mirror ``spotline.trainer.run_worker`` so the two numbers
-measure the same thing.
+reduction. Its steps run through the loop Spotline's entry points use
+(``spotline.loop.run_steps``, with only its loss and time log), so the two numbers are taken
+by the same clocks; only the step function differs (DeepSpeed's ``train_batch``).
 
 Caveat, by design of the baseline: the stock engine only knows DeepSpeed's ``TiedLayerSpec``,
 so it never adds the gradients of Spotline's separate tied LM-head copy to the embedding's;
@@ -36,10 +37,10 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
-    from spotline import data as sl_data
     from spotline import models
     from spotline.config import load_config
     from spotline.engine import deepspeed_config_for, step_batches
+    from spotline.loop import StepLog, run_steps
     from spotline.plan.sampler import GlobalSampler
     from spotline.runtime import (
         configure_process,
@@ -47,7 +48,7 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
         peak_rss_mib,
         seed_everything,
     )
-    from spotline.trainer import quiet_libraries
+    from spotline.trainer import prepare_inputs, quiet_libraries
 
     cfg = load_config(config_path)
     sl = cfg.spotline
@@ -59,11 +60,9 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
         intra_op_threads=sl.determinism.intra_op_threads, deterministic=sl.determinism.enabled
     )
     seed_everything(sl.training.seed)
-    hf_config = models.load_hf_config(sl.model.name, sl.model.overrides)
+    # The same model config and corpus as Spotline's entry points.
+    hf_config, corpus = prepare_inputs(cfg)
     samples_per_step = cfg.samples_per_step
-    corpus = sl_data.load_corpus(
-        sl.data.path, sl.data.tokenizer, sl.model.seq_len, min_sequences=samples_per_step
-    )
     init_distributed()
     t_setup = time.perf_counter()
     module = models.build_pipeline_module(
@@ -88,11 +87,7 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
     def get_batch(step: int, logical_worker: int, micro_batch: int) -> Any:
         return corpus.batch(sampler.indices(step, logical_worker, micro_batch))
 
-    losses: list[float] = []
-    step_times: list[float] = []
-    t0 = time.perf_counter()
-    for step in range(sl.training.steps):
-        t_step = time.perf_counter()
+    def train_step(step: int) -> float:
         loss = engine.train_batch(
             data_iter=step_batches(
                 get_batch,
@@ -101,9 +96,12 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
                 num_micro_batches=cfg.num_micro_batches,
             )
         )
-        losses.append(float(loss))
-        step_times.append(time.perf_counter() - t_step)
-    wall_s = time.perf_counter() - t0
+        return float(loss)
+
+    log = StepLog()
+    wall_s = run_steps(train_step, start=0, stop=sl.training.steps, hooks=[log]).wall_s
+    losses = list(log.losses.values())
+    step_times = list(log.step_times.values())
 
     mine = torch.tensor([peak_rss_mib()], dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(world_size)]

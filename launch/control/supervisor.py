@@ -1,6 +1,6 @@
 """Process supervision: the worker processes the coordinator started, and what became of them.
 
-A worker is started with :meth:`Supervisor.spawn` (``python -m spotline.elastic``) by the
+A worker is started with :meth:`Supervisor.spawn` (``python -m spotline.launch.elastic_worker``) by the
 agent of a machine that joined (:mod:`spotline.launch.agent`, ordered through
 :class:`~spotline.launch.control.machines.Machines`; ``spotline train`` runs one local
 agent), in its own session so that a Ctrl-C at the terminal reaches the coordinator only, polled for exit
@@ -30,7 +30,7 @@ SHUTDOWN_WAIT_S = 30
 # A worker's missed heartbeat is its own hang only while its agent still beats (every 50 ms):
 # an agent quiet this long means the whole machine is going, which lost_machines() decides.
 AGENT_QUIET_S = 1.0
-WORKER_MODULE = "spotline.elastic"  # run as ``python -m WORKER_MODULE``
+WORKER_MODULE = "spotline.launch.elastic_worker"  # run as ``python -m WORKER_MODULE``
 SIGNALLED = (0, -signal.SIGKILL, -signal.SIGTERM)  # exit codes that are no worker error
 
 

@@ -1,0 +1,172 @@
+"""The one training step loop: every entry point trains through :func:`run_steps`.
+
+- ``deepspeed launch/train.py`` (``spotline.trainer.run_worker``): :func:`train_engine` with
+  the Spotline engine's bookkeeping and a tracker hook, no recovery;
+- ``spotline train`` (``spotline.elastic.ElasticWorker``): :func:`train_engine` plus the
+  elastic worker's hooks (progress and stop checks at each boundary, rebalancing,
+  losses to the store, checkpoints), once per generation from its resume step;
+- the stock-DeepSpeed baseline (``spotline.launch.bench.stock_worker``): :func:`run_steps`
+  over DeepSpeed's own ``train_batch``, with :class:`StepLog` only, so that its step times
+  are taken by the same clock as Spotline's.
+
+A hook sees each step boundary (:meth:`StepHooks.before_step`, which may end the loop there)
+and each finished step (:meth:`StepHooks.after_step`), in the order the hooks are given.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from spotline.protocol import ReplicaMismatch
+from spotline.redundancy import RedundantPipelineEngine
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """Optimizer step ``step`` (0-based) ran: its mean loss over logical workers and the
+    seconds the step function took (``time.perf_counter``)."""
+
+    step: int
+    loss: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class LoopEnd:
+    """How :func:`run_steps` ended: ``stopped_at`` is the boundary a hook stopped it at (that
+    step was not run), None when every step ran; ``wall_s`` the loop's seconds."""
+
+    stopped_at: int | None
+    wall_s: float
+
+
+class StepHooks:
+    """What an entry point adds around each step; these defaults add nothing."""
+
+    def before_step(self, step: int) -> bool:
+        """Called at the boundary before ``step``: True ends the loop there (not run)."""
+        return False
+
+    def after_step(self, done: StepDone) -> None:
+        """Called once ``done.step`` has run (and been applied)."""
+
+
+def run_steps(
+    train_step: Callable[[int], float],
+    *,
+    start: int,
+    stop: int,
+    hooks: Sequence[StepHooks] = (),
+) -> LoopEnd:
+    """Run steps ``start .. stop - 1`` through ``train_step`` (step -> loss), with ``hooks``."""
+    t0 = time.perf_counter()
+    for step in range(start, stop):
+        # any() stops at the first hook that ends the loop: later hooks see no boundary.
+        if any(hook.before_step(step) for hook in hooks):
+            return LoopEnd(step, time.perf_counter() - t0)
+        t_step = time.perf_counter()
+        loss = train_step(step)
+        done = StepDone(step, loss, time.perf_counter() - t_step)
+        for hook in hooks:
+            hook.after_step(done)
+    return LoopEnd(None, time.perf_counter() - t0)
+
+
+@dataclass
+class StepLog(StepHooks):
+    """Each step's loss and seconds, by step (across generations for an elastic worker)."""
+
+    losses: dict[int, float] = field(default_factory=dict)
+    step_times: dict[int, float] = field(default_factory=dict)
+
+    def after_step(self, done: StepDone) -> None:
+        self.losses[done.step] = done.loss
+        self.step_times[done.step] = done.seconds
+
+
+@dataclass
+class EngineLog(StepLog):
+    """:class:`StepLog` plus what the Spotline engine adds: each step's learning rate and the
+    replica checks (``redundancy.verify_replicas``)."""
+
+    learning_rates: dict[int, float] = field(default_factory=dict)
+    replica_checks: int = 0
+    replica_mismatches: list[ReplicaMismatch] = field(default_factory=list)
+
+
+class _RecordEngineStep(StepHooks):
+    def __init__(self, engine: RedundantPipelineEngine, log: EngineLog) -> None:
+        self.engine = engine
+        self.log = log
+
+    def after_step(self, done: StepDone) -> None:
+        self.log.after_step(done)
+        self.log.learning_rates[done.step] = float(self.engine.step_schedule.at(done.step)["lr"])
+
+
+class _VerifyReplicas(StepHooks):
+    def __init__(self, engine: RedundantPipelineEngine, log: EngineLog) -> None:
+        self.engine = engine
+        self.log = log
+
+    def after_step(self, done: StepDone) -> None:
+        bad = replica_mismatches(self.engine)
+        if bad is not None:
+            self.log.replica_checks += 1
+            self.log.replica_mismatches.extend(ReplicaMismatch(done.step, s) for s in bad)
+
+
+def train_engine(
+    engine: RedundantPipelineEngine,
+    *,
+    seed: int,
+    start: int,
+    stop: int,
+    log: EngineLog,
+    verify_replicas: bool,
+    hooks: Sequence[StepHooks] = (),
+) -> LoopEnd:
+    """Train a Spotline engine from step ``start`` to ``stop`` (both entry points call this).
+
+    Each step's loss, time and rate go to ``log`` before ``hooks`` see it; the replicas are
+    checked (a collective over each pipeline) after them, when ``verify_replicas``."""
+    every: list[StepHooks] = [_RecordEngineStep(engine, log), *hooks]
+    if verify_replicas:
+        every.append(_VerifyReplicas(engine, log))
+    return run_steps(
+        lambda step: engine.train_step(seed=seed, step=step), start=start, stop=stop, hooks=every
+    )
+
+
+def replica_mismatches(engine: RedundantPipelineEngine) -> list[int] | None:
+    """Stages whose replica differs from the owner's state (gathered on every rank of the
+    pipeline; compares digests of parameters and optimizer state). None when redundancy is
+    off."""
+    if engine.replica is None:
+        return None
+    mine = (engine.stage_id, engine.own_digest(), engine.replica.stage, engine.replica_digest())
+    group = engine.grid.get_pipe_parallel_group()
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, mine, group=group)
+    owners = {stage: digest for stage, digest, _, _ in gathered}
+    return sorted(stage for _, _, stage, digest in gathered if owners[stage] != digest)
+
+
+def slow_machine(
+    factor: float, measure: Callable[[int, float], None]
+) -> Callable[[int, float], None]:
+    """An ``engine.on_logical_worker_done`` hook for the demo's slow machine: each logical
+    worker's share of a step takes ``factor`` times as long (a sleep after it), and
+    ``measure`` is told the slowed time. Installed only when a config asks for it
+    (``elasticity.slow_worker``)."""
+
+    def hook(worker: int, seconds: float) -> None:
+        time.sleep((factor - 1) * seconds)
+        measure(worker, seconds * factor)
+
+    return hook

@@ -1,0 +1,71 @@
+"""One worker process of ``spotline train`` (started by the coordinator's supervisor,
+``launch/control/supervisor.py``, as ``python -m spotline.launch.elastic_worker``).
+
+Runs a :class:`spotline.elastic.ElasticWorker` against the coordinator's store until the
+plans say finish. Exit codes: 0 done (or left), 2 a user mistake, 1 an error (its cause told
+to the coordinator as ``error/<worker>``), 3 the coordinator is gone. The processes of
+``deepspeed launch/train.py`` are another kind, started by DeepSpeed's launcher:
+``launch/worker.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import traceback
+from pathlib import Path
+
+from spotline.config import load_config
+from spotline.elastic import EXIT_COORDINATOR_LOST, ElasticWorker, one_line
+from spotline.errors import UserError
+from spotline.protocol import error_key
+
+
+def _tell_coordinator(worker: ElasticWorker | None, cause: str) -> None:
+    """Why this worker exits with an error (``error/<worker>``): the coordinator stops the
+    job with it instead of taking the exit for a preemption."""
+    if worker is None:
+        return
+    try:
+        worker.store.set(error_key(worker.wid), f"worker {worker.wid}: {cause}")
+    except Exception:  # the coordinator is gone: nobody to tell
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="spotline-elastic-worker")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--output", required=True)
+    parser.add_argument("--worker-id", required=True)
+    parser.add_argument("--store", required=True)
+    args = parser.parse_args(argv)
+    worker: ElasticWorker | None = None
+    try:
+        worker = ElasticWorker(
+            load_config(args.config), args.worker_id, args.store, Path(args.output)
+        )
+        return worker.run()
+    except UserError as exc:
+        print(f"spotline: error: {exc}", flush=True)
+        _tell_coordinator(worker, str(exc))
+        return 2
+    except Exception as exc:
+        # A store operation failed because the coordinator is gone (SIGKILLed, its machine
+        # lost): one line, not a DistNetworkError traceback.
+        if worker is not None and worker.coordinator_lost():
+            worker.say_coordinator_lost()
+            # Gloo's threads and sockets to the peers must not run interpreter teardown.
+            os._exit(EXIT_COORDINATOR_LOST)
+        # An error outside a generation (reading a checkpoint, loading the data): the
+        # traceback to this worker's log, the cause to the coordinator (``error/<worker>``),
+        # which stops the job with it instead of taking this exit for a preemption.
+        try:
+            traceback.print_exc()
+        except OSError:  # the log is on a full disk
+            pass
+        _tell_coordinator(worker, one_line(exc))
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
