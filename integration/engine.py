@@ -135,6 +135,7 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
         self._num_backwards = 0
         self._rng_micro_batch = 0
         self.last_clip_coefficient = 1.0
+        self._loss_before_commit: torch.Tensor | None = None
         # The rate of every step as a function of the step (spotline.lr_schedule), so that an
         # engine built mid-run, a replica and a roll-forward all use the undisturbed run's.
         self.step_schedule = StepSchedule.of_engine(self)
@@ -216,6 +217,21 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
         self.logical_gradients.reduce(group=self.grid.get_data_parallel_group())
 
     def _aggregate_total_loss(self) -> torch.Tensor:
+        """The step's loss, as DeepSpeed's ``train_batch`` asks for it after the schedule:
+        the one :meth:`aggregate_loss_before_commit` computed, when it did."""
+        if self._loss_before_commit is not None:
+            loss, self._loss_before_commit = self._loss_before_commit, None
+            return loss
+        return self._step_loss()
+
+    def aggregate_loss_before_commit(self) -> None:
+        """Compute the step's loss now, before the step's commit point: DeepSpeed sends it to
+        every stage only after the optimizer step, so a rank lost just after the commit took
+        the only copy of a committed step's loss with it (the survivors, failing in that
+        send, never returned it). Computed here, every rank that passes the commit holds it."""
+        self._loss_before_commit = self._step_loss()
+
+    def _step_loss(self) -> torch.Tensor:
         """The step's loss: each logical worker's mean over its micro-batches, added in
         logical-worker order and divided by their number, then sent to every stage."""
         group = self.grid.get_pipe_parallel_group()

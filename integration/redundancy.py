@@ -295,6 +295,7 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         self._phase("optimizer")
         if self.gradient_clipping() > 0:
             self.clip_fp32_gradients()
+        self.aggregate_loss_before_commit()
         self.own_ready = True
         self.replica_ready = self.replica is not None and self.replica.flat_grads is not None
         self.commit_barrier()

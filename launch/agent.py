@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     from spotline.stores import StoreSpec
 
 EXIT_COORDINATOR_LOST = 3  # as a worker that loses its coordinator (spotline.elastic)
-POLL_S = 0.05
+# An order (a kill a test or a trace delivers at a step) reaches the worker within this.
+POLL_S = 0.01
 DEFAULT_PRELOAD = "spotline.launch.elastic_worker"
 LOCAL_MACHINE = "local"
 SPAWNER_READY_WAIT_S = 300.0

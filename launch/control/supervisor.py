@@ -27,7 +27,7 @@ from spotline.protocol import Store, error_key, heartbeat_key, joined_key
 
 Fate = Literal["running", "killed", "terminated", "left", "exited", "crashed", "restarted"]
 SHUTDOWN_WAIT_S = 30
-# A worker's missed heartbeat is its own hang only while its agent still beats (every 50 ms):
+# A worker's missed heartbeat is its own hang only while its agent still beats (every 10 ms):
 # an agent quiet this long means the whole machine is going, which lost_machines() decides.
 AGENT_QUIET_S = 1.0
 WORKER_MODULE = "spotline.launch.elastic_worker"  # run as ``python -m WORKER_MODULE``
