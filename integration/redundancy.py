@@ -229,8 +229,9 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         self.own_ready = False
         self.replica_ready = False
         self._clipped_this_step = False
-        # Called with a phase name ("forward", "backward", "send", "recv", "optimizer") as
-        # each instruction starts: fault injection and progress reporting hook in here.
+        # Called with a phase name (spotline.plan.chaos.PHASES: "forward", ..., "optimizer"
+        # as each instruction starts, "committed" once past the commit point): fault
+        # injection and progress reporting hook in here.
         self.phase_hook: Callable[[str], None] | None = None
         # The commit barrier; the elastic worker replaces it with one over the job's store
         # that also watches for an abort (a gloo barrier can wait on a failed peer whose
@@ -299,6 +300,7 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         self.own_ready = True
         self.replica_ready = self.replica is not None and self.replica.flat_grads is not None
         self.commit_barrier()
+        self._phase("committed")
         super()._exec_optimizer_step(lr_kwargs)
         self.applied_steps += 1
         self.own_ready = False

@@ -68,7 +68,10 @@ def test_parse_injection_accepts_the_documented_forms(text: str, expected: Injec
         ("kill:1:w", "WORKER must be a non-negative integer"),
         ("kill:1", "kill takes STEP:WORKER"),
         ("kill:1:2:forward:extra", "kill takes STEP:WORKER"),
-        ("term:1:2:sideways", "PHASE must be one of forward, backward, send, recv, optimizer"),
+        (
+            "term:1:2:sideways",
+            "PHASE must be one of forward, backward, send, recv, optimizer, committed",
+        ),
         ("stop:1:2", "unknown SIGNAL 'stop'"),
         ("KILL:1:2", "unknown SIGNAL 'KILL'"),
         ("add:1:2", "add takes only a STEP"),

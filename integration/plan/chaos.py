@@ -5,8 +5,9 @@ Two ways to disturb a local run, both decided before it starts so a run is repro
 Injections (:class:`Injection`, :func:`parse_injection`)
     ``--inject SIGNAL:STEP:WORKER[:PHASE]`` sends ``SIGKILL`` (``kill``) or ``SIGTERM``
     (``term``, a preemption notice with a grace period) to local worker ``WORKER`` when it
-    reaches step ``STEP``; with ``PHASE`` (forward, backward, send, recv, optimizer) in the
-    middle of that phase of the step, without it at the step boundary (before the step's
+    reaches step ``STEP``; with ``PHASE`` (forward, backward, send, recv, optimizer,
+    committed: just after the step's commit point, before its update) in the middle of that
+    phase of the step, without it at the step boundary (before the step's
     first instruction). ``--inject add:STEP`` starts one new local worker at the boundary of
     step ``STEP``. The coordinator and the engine ask :func:`injections_at` which injections
     fire where they stand.
@@ -44,17 +45,17 @@ import re
 import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from spotline.errors import UserError
 from spotline.plan.traces import Trace, scale_trace, synthetic_trace
 
 Signal = Literal["kill", "term", "add"]
 Removal = Literal["kill", "term"]
-Phase = Literal["forward", "backward", "send", "recv", "optimizer"]
+Phase = Literal["forward", "backward", "send", "recv", "optimizer", "committed"]
 TimedKind = Literal["remove", "add"]
 
-PHASES: tuple[Phase, ...] = ("forward", "backward", "send", "recv", "optimizer")
+PHASES: tuple[Phase, ...] = get_args(Phase)
 REMOVALS: tuple[Removal, ...] = ("kill", "term")
 INJECT_FORM = "SIGNAL:STEP:WORKER[:PHASE] with SIGNAL kill or term, or add:STEP"
 """The expected form of ``--inject``, quoted by every parse error."""
