@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import io
 import json
 import math
@@ -84,7 +85,16 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument(
         "--sweep", help="comma-separated preemption rates per node-hour, e.g. 0.01,0.05,0.1"
     )
-    parser.add_argument("--nodes", type=int, required=True, help="nodes the job asks for")
+    parser.add_argument(
+        "--nodes", type=int, required=True, help="nodes (machines) the job asks for"
+    )
+    parser.add_argument(
+        "--slots",
+        type=_slot_count,
+        metavar="K",
+        help="workers per node, e.g. 4 or 8 GPUs: a preemption takes all K at once, and no "
+        "node holds a stage and its only replica where the layout allows (default 1)",
+    )
     parser.add_argument("--model", default="gpt2", help="a model of the calibration table")
     parser.add_argument("--output", type=Path, required=True, help="directory for the results")
     parser.add_argument(
@@ -125,6 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=1, help="processes for seeds and sweeps")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
+
+
+def _slot_count(text: str) -> int:
+    """``--slots``: a whole number of workers per node, at least 1 (argparse words the
+    error as one line, ``argument --slots K: ...``)."""
+    try:
+        slots = int(text)
+    except ValueError:
+        slots = 0
+    if slots < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number >= 1 (workers per node), got {text!r}"
+        )
+    return slots
 
 
 def _parse_policies(text: str) -> tuple[PolicyName, ...]:
@@ -186,6 +210,16 @@ def _assumptions(
         ),
         "preemption_notice_s (not exploited by any policy)": dict(calibration.preemption_notice_s),
     }
+    slots = config.slots_per_machine
+    if slots > 1:  # one slot per node: the assumptions read as before --slots existed
+        out["slots_per_node"] = (
+            f"{slots}: each node is a machine of {slots} workers, preempted all at once, "
+            f"paid {slots} x the per-node price; no machine holds every copy of a stage "
+            "where the layout allows (spotline.plan.placement)"
+        )
+        out["workers"] = config.num_workers
+        out["on_demand_nodes"] = math.ceil(topology.num_slots / slots)
+        out["on_demand_workers"] = topology.num_slots
     out.update(extra)
     return out
 
@@ -374,6 +408,9 @@ def _run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.nodes < 1:
         raise UserError(f"--nodes must be >= 1, got {args.nodes}")
+    # Default None, not 1, as --seeds: results.json records only the flags given, so a run
+    # without --slots records the same command as before the flag existed.
+    slots = 1 if args.slots is None else args.slots
     if args.workers < 1:
         raise UserError(f"--workers must be >= 1, got {args.workers}")
     if not args.hours > 0 or not math.isfinite(args.hours):
@@ -389,10 +426,12 @@ def _run(argv: list[str]) -> int:
     policies = _parse_policies(args.policies)
     calibration = load_calibration(args.calibration)
     model = calibration.model(args.model)
-    if args.nodes < model.num_stages:
+    if args.nodes * slots < model.num_stages:
+        fewest = math.ceil(model.num_stages / slots)
+        nodes = f"{args.nodes}" if slots == 1 else f"{args.nodes} x --slots {slots}"
         raise UserError(
-            f"--nodes {args.nodes} cannot hold one pipeline of {model.name} "
-            f"({model.num_stages} stages); give at least {model.num_stages}"
+            f"--nodes {nodes} cannot hold one pipeline of {model.name} "
+            f"({model.num_stages} stages); give at least {fewest}"
         )
     config = SimConfig(
         calibration,
@@ -400,6 +439,7 @@ def _run(argv: list[str]) -> int:
         args.nodes,
         checkpoint_interval_s=args.checkpoint_interval,
         spotline_checkpoint_interval_s=args.spotline_checkpoint_interval,
+        slots_per_machine=slots,
     )
     if args.trace is not None:
         if args.seeds is not None:
@@ -461,14 +501,7 @@ def _run_trace(
         },
     )
     _print_assumptions(assumptions)
-    recording = SimConfig(
-        config.calibration,
-        config.model,
-        config.num_nodes,
-        config.checkpoint_interval_s,
-        config.spotline_checkpoint_interval_s,
-        record_timeline=True,
-    )
+    recording = dataclasses.replace(config, record_timeline=True)
     results: dict[PolicyName, PolicyResult] = {}
     progress = _Progress(len(policies), "policies", args.no_progress)
     for policy in policies:
@@ -567,14 +600,7 @@ def _run_synthetic(
         plots.extend(_plot_sweep(args.output, results))
     # One recorded seed (the first) shows the trace, live nodes and throughput over time.
     example = synthetic_trace(args.nodes, rates[-1], duration_s, args.seed, args.replace_after)
-    recording = SimConfig(
-        config.calibration,
-        config.model,
-        config.num_nodes,
-        config.checkpoint_interval_s,
-        config.spotline_checkpoint_interval_s,
-        record_timeline=True,
-    )
+    recording = dataclasses.replace(config, record_timeline=True)
     plots.extend(
         _plot_trace_run(args.output, example, simulate_policies(example, policies, recording))
     )

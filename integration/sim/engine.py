@@ -36,7 +36,13 @@ Policies (:data:`POLICIES`), each a :class:`SimPolicy` in :data:`POLICY_MODELS`:
 
 Common rules: a node added at t is usable at ``t + node_ready_s`` (a node preempted before
 that never joins); it is paid from t at the spot price until its removal or the end of the
-trace. Training starts (and restarts after waiting) with a ``fatal_rendezvous_s`` rendezvous
+trace. A trace node is a *machine* with ``SimConfig.slots_per_machine`` slots (K; one worker
+each, the runtime's agent ``--slots K``): its K workers become ready together, a preemption
+removes all K at once, and it is paid K times the per-node price (the calibration's node is
+one accelerator). With K > 1 the planner is told each worker's machine and places stages by
+the runtime's rule (:mod:`spotline.plan.placement`: no machine holds every copy of a stage
+where the shape allows it); with K = 1 every worker is its own machine, which the rule
+cannot improve on, so the planner is called exactly as before. Training starts (and restarts after waiting) with a ``fatal_rendezvous_s`` rendezvous
 once at least one pipeline's worth of nodes is ready; fewer ready nodes than stages means
 waiting. The global batch is fixed (``samples_per_step``), so fewer active pipelines make
 each step slower, not smaller. Preemption notices are not exploited by any policy (the
@@ -47,6 +53,7 @@ redone`` steps, and running + paused + checkpointing + waiting time == the durat
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -109,9 +116,10 @@ def trace_mtbf_s(trace: Trace) -> float:
 @dataclass(frozen=True)
 class SimConfig:
     """One simulation set-up: the model's calibration, the cluster-wide calibration, the
-    number of nodes the job asks for (its logical topology is ``num_stages`` x
-    ``num_nodes // num_stages``), optional checkpoint intervals (None: the policy's rule),
-    and whether to record a timeline for plots (off for sweeps: it costs time)."""
+    number of nodes (machines) the job asks for and the slots (workers) of each (its logical
+    topology is ``num_stages`` x ``num_nodes * slots_per_machine // num_stages``), optional
+    checkpoint intervals (None: the policy's rule), whether to record a timeline for plots
+    (off for sweeps: it costs time) and whether to record every layout planned (for tests)."""
 
     calibration: Calibration
     model: ModelCalibration
@@ -119,11 +127,19 @@ class SimConfig:
     checkpoint_interval_s: float | None = None
     spotline_checkpoint_interval_s: float | None = None
     record_timeline: bool = False
+    slots_per_machine: int = 1
+    record_layouts: bool = False
 
     def __post_init__(self) -> None:
-        if self.num_nodes < self.model.num_stages:
+        # bool is an int to Python; a slot count of True is a mistake, not 1.
+        if type(self.slots_per_machine) is not int or self.slots_per_machine < 1:
             raise ValueError(
-                f"{self.num_nodes} nodes cannot hold one pipeline of model "
+                f"slots_per_machine must be an integer >= 1, got {self.slots_per_machine!r}"
+            )
+        if self.num_workers < self.model.num_stages:
+            slots = "" if self.slots_per_machine == 1 else f" of {self.slots_per_machine} slots"
+            raise ValueError(
+                f"{self.num_nodes} nodes{slots} cannot hold one pipeline of model "
                 f"{self.model.name!r}, which has {self.model.num_stages} stages"
             )
         for interval in (self.checkpoint_interval_s, self.spotline_checkpoint_interval_s):
@@ -131,9 +147,14 @@ class SimConfig:
                 raise ValueError(f"checkpoint intervals must be > 0, got {interval}")
 
     @property
+    def num_workers(self) -> int:
+        """Worker processes the job asks for: every slot of every node."""
+        return self.num_nodes * self.slots_per_machine
+
+    @property
     def topology(self) -> Topology:
         """The job's fixed logical topology."""
-        return Topology(self.model.num_stages, self.num_nodes // self.model.num_stages)
+        return Topology(self.model.num_stages, self.num_workers // self.model.num_stages)
 
 
 @dataclass(frozen=True)
@@ -158,6 +179,17 @@ class TimelinePoint:
     committed_samples: int
     num_ready_nodes: int
     num_active_pipelines: int
+
+
+@dataclass(frozen=True)
+class PlannedLayout:
+    """A layout the simulator adopted at ``t_s`` (recorded with ``SimConfig.record_layouts``),
+    its members and standbys named as the job's workers (``node/slot`` with several slots per
+    machine, the node's name with one), and the machine (trace node) of each of them."""
+
+    t_s: float
+    layout: Layout
+    machines: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -187,6 +219,7 @@ class PolicyResult:
     num_preemptions: int
     checkpoint_interval_s: float
     timeline: tuple[TimelinePoint, ...] = ()
+    layouts: tuple[PlannedLayout, ...] = ()
 
     @property
     def samples_per_s(self) -> float:
@@ -453,6 +486,7 @@ def _finish(
     duration_s: float,
     cost_usd: float,
     counters: tuple[int, int, int, int],
+    layouts: tuple[PlannedLayout, ...] = (),
 ) -> PolicyResult:
     run.advance(duration_s)
     num_fatal, num_restarts, num_failovers, num_preemptions = counters
@@ -477,6 +511,7 @@ def _finish(
         num_preemptions=num_preemptions,
         checkpoint_interval_s=run.interval_s,
         timeline=tuple(run.timeline) if run.timeline is not None else (),
+        layouts=layouts,
     )
 
 
@@ -528,7 +563,10 @@ class _RuntimePlanner:
     were lost, and how many idle nodes there are. Members are named ``m{p}.{i}`` after their
     slot and idle nodes ``i{k}`` after their order: a plan depends on the workers' order,
     never on their names (tests/test_layout.py checks this), so the canonical plan holds for
-    the real nodes.
+    the real nodes. With machines of several slots the situation also says which workers
+    share a machine, as machines numbered in order of first appearance among the workers
+    (:func:`_partition`): the placement rule groups workers by machine and breaks ties by
+    worker order, never by a machine's name.
     """
 
     # Shared by every run of a process (a sweep runs thousands): the planner is pure.
@@ -539,23 +577,47 @@ class _RuntimePlanner:
         self.num_pipelines = num_pipelines
         self.elastic = elastic
 
-    def initial(self, num_nodes: int) -> _Plan | None:
-        """A start from nothing (first start, or the restart after a fatal loss)."""
-        key = (self.num_stages, self.num_pipelines, self.elastic, num_nodes)
+    def initial(self, num_nodes: int, machines: Sequence[str] | None = None) -> _Plan | None:
+        """A start from nothing (first start, or the restart after a fatal loss) on
+        ``num_nodes`` ready workers; ``machines``: the machine of each (None: not said)."""
+        partition = None if machines is None else _partition(machines)
+        key: tuple[object, ...] = (self.num_stages, self.num_pipelines, self.elastic, num_nodes)
+        if partition is not None:
+            key += (partition,)
         if key not in self._plans:
             idle = [f"i{k}" for k in range(num_nodes)]
-            layout = initial_layout(self.num_stages, self.num_pipelines, idle, elastic=self.elastic)
+            said = None if partition is None else dict(zip(idle, _named(partition), strict=True))
+            layout = initial_layout(
+                self.num_stages, self.num_pipelines, idle, elastic=self.elastic, machines=said
+            )
             self._plans[key] = None if layout is None else _Plan.of(layout)
         planned = self._plans[key]
         assert not isinstance(planned, FatalLoss)
         return planned
 
     def replan(
-        self, last: Layout, lost: frozenset[Slot], num_idle: int
+        self,
+        last: Layout,
+        lost: frozenset[Slot],
+        num_idle: int,
+        machines: tuple[Mapping[Slot, str], Sequence[str]] | None = None,
     ) -> _Plan | None | FatalLoss:
         """The next generation after ``last`` (canonical), whose slots ``lost`` are gone,
-        with ``num_idle`` idle nodes: a plan, None (waiting for nodes), or a FatalLoss."""
-        key = (
+        with ``num_idle`` idle nodes: a plan, None (waiting for nodes), or a FatalLoss.
+        ``machines``: the machine of each of ``last``'s slots and of each idle node (None:
+        not said)."""
+        survivors = [
+            (p, i)
+            for i in range(last.num_physical_stages)
+            for p in range(last.num_pipelines)
+            if (p, i) not in lost
+        ]
+        partition = None
+        if machines is not None:
+            by_slot, idle_machines = machines
+            assert len(idle_machines) == num_idle
+            partition = _partition([by_slot[slot] for slot in survivors] + list(idle_machines))
+        key: tuple[object, ...] = (
             self.num_stages,
             self.num_pipelines,
             self.elastic,
@@ -564,14 +626,18 @@ class _RuntimePlanner:
             lost,
             num_idle,
         )
+        if partition is not None:
+            key += (partition,)
         if key not in self._plans:
             held = member_holdings(last, 1, replicas=True)
             reports = [
-                WorkerReport(last.slots[p][i], held[last.slots[p][i]], (p, i))
-                for i in range(last.num_physical_stages)
-                for p in range(last.num_pipelines)
-                if (p, i) not in lost
+                WorkerReport(last.slots[p][i], held[last.slots[p][i]], (p, i)) for p, i in survivors
             ] + [WorkerReport(f"i{k}") for k in range(num_idle)]
+            if partition is not None:
+                reports = [
+                    dataclasses.replace(report, machine=machine)
+                    for report, machine in zip(reports, _named(partition), strict=True)
+                ]
             result = plan_generation(
                 0, self.num_stages, self.num_pipelines, reports, elastic=self.elastic
             )
@@ -580,6 +646,18 @@ class _RuntimePlanner:
             else:
                 self._plans[key] = None if result.layout is None else _Plan.of(result.layout, held)
         return self._plans[key]
+
+
+def _partition(machines: Sequence[str]) -> tuple[int, ...]:
+    """Which workers share a machine, whatever the machines' names: each worker's machine
+    numbered in order of first appearance (``["b", "a", "b"]`` -> ``(0, 1, 0)``)."""
+    numbers: dict[str, int] = {}
+    return tuple(numbers.setdefault(machine, len(numbers)) for machine in machines)
+
+
+def _named(partition: Sequence[int]) -> list[str]:
+    """Canonical machine names for a :func:`_partition`."""
+    return [f"M{number}" for number in partition]
 
 
 def _canonical(layout: Layout) -> Layout:
@@ -618,9 +696,12 @@ class Cluster:
 
 class _Job:
     """One policy's run on one trace: the training state machine, the runtime's planner,
-    the ready nodes, the members that hold the training state and the counters. The
+    the ready workers, the members that hold the training state and the counters. The
     policy (:class:`SimPolicy`) decides what a preemption, an arrival and a completed
-    checkpoint do to it."""
+    checkpoint do to it.
+
+    A worker is one slot of a trace node (a machine): with one slot per machine the worker
+    is named after its node, otherwise ``node/slot``, and ``machine_of`` says its node."""
 
     def __init__(self, policy: SimPolicy, config: SimConfig, interval_s: float) -> None:
         self.policy = policy
@@ -630,7 +711,10 @@ class _Job:
         self.planner = _RuntimePlanner(
             self.topology.num_stages, self.topology.num_pipelines, elastic=policy.elastic
         )
-        self.ready: dict[str, None] = {}  # insertion order = the order nodes became ready
+        self.slots_per_machine = config.slots_per_machine
+        self.machine_of: dict[str, str] = {}
+        self.layouts: list[PlannedLayout] | None = [] if config.record_layouts else None
+        self.ready: dict[str, None] = {}  # insertion order = the order workers became ready
         # ``members``: the layout whose members hold the training state (None: no state, a
         # start or a restart from the checkpoint is next); ``lost``: its slots gone since it
         # was planned (non-empty while waiting for nodes with the state still held).
@@ -644,7 +728,7 @@ class _Job:
         policy's ``min_start_nodes`` or too few for the planner."""
         nodes = list(self.ready)
         enough = len(nodes) >= self.policy.min_start_nodes(self.topology)
-        plan = self.planner.initial(len(nodes)) if enough else None
+        plan = self.planner.initial(len(nodes), self.machines(nodes)) if enough else None
         self.members = None if plan is None else _Members(plan, {}, nodes)
         self.lost = set()
         if self.members is not None:
@@ -652,32 +736,75 @@ class _Job:
             self.run.started = True
             self.run.pause("restart", self.policy.restart_cost_s(self.config, first=first))
             self.num_restarts += 1
+            self.record_layout()
         self.run.set_layout(None if self.members is None else self.members.layout)
 
+    def machines(self, workers: Sequence[str]) -> list[str] | None:
+        """The machine of each of ``workers`` for the planner; None with one slot per
+        machine (each worker its own machine: the placement rule changes nothing then, and
+        the planner's memo keeps its keys)."""
+        if self.slots_per_machine == 1:
+            return None
+        return [self.machine_of[worker] for worker in workers]
+
+    def idle(self) -> list[str]:
+        """The ready workers that run no stage, in the order they became ready."""
+        held = self.members.slot_of if self.members is not None else {}
+        return [worker for worker in self.ready if worker not in held]
+
+    def record_layout(self) -> None:
+        """Keep the members' layout as adopted now, for ``PolicyResult.layouts``."""
+        if self.layouts is None or self.members is None:
+            return
+        members, idle = self.members, self.idle()
+        shape = members.layout
+        slots = tuple(
+            tuple(members.by_slot[(p, i)] for i in range(shape.num_physical_stages))
+            for p in range(shape.num_pipelines)
+        )
+        layout = Layout(shape.num_stages, shape.num_pipelines, shape.groups, slots, tuple(idle))
+        machines = {w: self.machine_of.get(w, w) for w in (*members.slot_of, *idle)}
+        self.layouts.append(PlannedLayout(self.run.now, layout, machines))
+
+    def _workers(self, nodes: Sequence[str]) -> list[str]:
+        """The workers of trace nodes, every slot of each node in slot order."""
+        if self.slots_per_machine == 1:
+            return list(nodes)
+        workers = []
+        for node in nodes:
+            for slot in range(self.slots_per_machine):
+                worker = f"{node}/{slot}"
+                self.machine_of[worker] = node
+                workers.append(worker)
+        return workers
+
     def placed(self) -> Collection[str]:
-        """The nodes that run a stage now (none while waiting)."""
+        """The workers that run a stage now (none while waiting)."""
         return self.members.slot_of if self.members is not None and not self.lost else {}
 
     def replay(self, batches: Batches) -> None:
         """Drive the run through ``batches``: a member lost is the policy's preemption, a
-        node ready its arrival (or a start when no member holds the state)."""
+        node ready its arrival (or a start when no member holds the state). A node's
+        removal removes every worker on it in the same batch: one preemption."""
         run = self.run
         run.on_checkpoint = lambda: self.policy.on_checkpoint(self)
-        for t_s, removed, arrived in batches:
+        for t_s, removed_nodes, arrived_nodes in batches:
+            removed, arrived = self._workers(removed_nodes), self._workers(arrived_nodes)
             run.advance(t_s)
-            for node in removed:
-                del self.ready[node]
-            run.num_ready = len(self.ready)
-            # A standby or idle node that goes changes nothing: the members train on.
+            for worker in removed:
+                del self.ready[worker]
+            # Ready nodes: every node's workers come and go together.
+            run.num_ready = len(self.ready) // self.slots_per_machine
+            # A standby or idle worker that goes changes nothing: the members train on.
             held = self.members.slot_of if self.members is not None else {}
-            gone = frozenset(held[n] for n in removed if n in held)
+            gone = frozenset(held[w] for w in removed if w in held)
             if gone:
                 self.num_preemptions += 1
                 self.policy.on_preemption(self, gone)
             if arrived:
-                for node in arrived:
-                    self.ready[node] = None
-                run.num_ready = len(self.ready)
+                for worker in arrived:
+                    self.ready[worker] = None
+                run.num_ready = len(self.ready) // self.slots_per_machine
                 if self.members is None:
                     self.start()
                 else:
@@ -686,7 +813,8 @@ class _Job:
 
     def result(self, duration_s: float, cost_usd: float) -> PolicyResult:
         counters = (self.num_fatal, self.num_restarts, self.num_failovers, self.num_preemptions)
-        return _finish(self.run, self.policy.name, duration_s, cost_usd, counters)
+        layouts = () if self.layouts is None else tuple(self.layouts)
+        return _finish(self.run, self.policy.name, duration_s, cost_usd, counters, layouts)
 
 
 class SimPolicy(ABC):
@@ -709,10 +837,12 @@ class SimPolicy(ABC):
         calibration = config.calibration
         if batches is None:
             batches = membership_batches(trace, calibration.node_ready_s)
-        return Cluster(trace, batches, spot_cost_usd(trace, calibration.spot_price_per_node_hour))
+        # The calibration prices one accelerator; a machine of K slots costs K of them.
+        price = calibration.spot_price_per_node_hour * config.slots_per_machine
+        return Cluster(trace, batches, spot_cost_usd(trace, price))
 
     def min_start_nodes(self, topology: Topology) -> int:
-        """The fewest ready nodes a (re)start is tried with (the planner may want more)."""
+        """The fewest ready workers a (re)start is tried with (the planner may want more)."""
         return 1
 
     def restart_cost_s(self, config: SimConfig, *, first: bool) -> float:
@@ -776,8 +906,15 @@ class SpotlinePolicy(SimPolicy):
         """The next generation from what the survivors hold and the idle nodes."""
         members, run = job.members, job.run
         assert members is not None
-        idle = [n for n in job.ready if n not in members.slot_of]
-        result = job.planner.replan(members.layout, frozenset(job.lost), len(idle))
+        idle = job.idle()
+        where = None
+        if job.slots_per_machine > 1:
+            # The machine of each slot of the last layout (its lost ones unused) and of each
+            # idle worker: what the placement rule needs (see _Job.machines).
+            machine = job.machine_of
+            by_slot = {slot: machine[worker] for slot, worker in members.by_slot.items()}
+            where = (by_slot, [machine[worker] for worker in idle])
+        result = job.planner.replan(members.layout, frozenset(job.lost), len(idle), where)
         if isinstance(result, FatalLoss):
             job.num_fatal += 1
             run.rollback()
@@ -792,6 +929,7 @@ class SpotlinePolicy(SimPolicy):
             run.set_layout(None)  # too few nodes: wait, the survivors keep the state
         else:
             job.members, job.lost = _Members(result, members.by_slot, idle), set()
+            job.record_layout()
             calibration = job.config.calibration
             transfer_s = calibration.state_transfer_s if result.moves_state else 0.0
             run.pause("reconfigure", calibration.reconfigure_s + transfer_s)
@@ -852,7 +990,9 @@ class OnDemandPolicy(CheckpointRestartPolicy):
         return Cluster(
             od_trace,
             membership_batches(od_trace, calibration.node_ready_s),
-            spot_cost_usd(od_trace, calibration.on_demand_price_per_node_hour),
+            spot_cost_usd(
+                od_trace, calibration.on_demand_price_per_node_hour * config.slots_per_machine
+            ),
         )
 
     def checkpoint_interval_s(self, trace: Trace, config: SimConfig) -> float:
@@ -875,8 +1015,8 @@ POLICY_MODELS: Mapping[PolicyName, SimPolicy] = MappingProxyType(
 
 def on_demand_trace(config: SimConfig, duration_s: float) -> Trace:
     """The on-demand baseline's cluster: one whole-pipelines' worth of nodes, all added at
-    time 0 and never removed."""
-    num_nodes = config.topology.num_slots
+    time 0 and never removed (whole machines: the last one's spare slots stand by)."""
+    num_nodes = math.ceil(config.topology.num_slots / config.slots_per_machine)
     return Trace(
         tuple(TraceEvent(0.0, "add", f"od{i}") for i in range(num_nodes)),
         duration_s,
