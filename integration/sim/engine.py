@@ -31,8 +31,8 @@ Policies (:data:`POLICIES`), each a :class:`SimPolicy` in :data:`POLICY_MODELS`:
     in :class:`SimConfig`). Nodes that arrive while it runs join at the next checkpoint if
     they make another pipeline (the checkpoint was just written, so nothing is redone).
 ``on-demand``
-    ``num_stages * (num_nodes // num_stages)`` on-demand nodes, no preemptions, no
-    checkpoints, at the on-demand price.
+    ``num_stages * (num_workers // num_stages)`` on-demand workers (on whole machines), no
+    preemptions, no checkpoints, at the on-demand price.
 
 Common rules: a node added at t is usable at ``t + node_ready_s`` (a node preempted before
 that never joins); it is paid from t at the spot price until its removal or the end of the
@@ -42,9 +42,9 @@ removes all K at once, and it is paid K times the per-node price (the calibratio
 one accelerator). With K > 1 the planner is told each worker's machine and places stages by
 the runtime's rule (:mod:`spotline.plan.placement`: no machine holds every copy of a stage
 where the shape allows it); with K = 1 every worker is its own machine, which the rule
-cannot improve on, so the planner is called exactly as before. Training starts (and restarts after waiting) with a ``fatal_rendezvous_s`` rendezvous
-once at least one pipeline's worth of nodes is ready; fewer ready nodes than stages means
-waiting. The global batch is fixed (``samples_per_step``), so fewer active pipelines make
+cannot improve on, so the planner is called exactly as before. Training starts (and
+restarts after waiting) with a ``fatal_rendezvous_s`` rendezvous once at least one
+pipeline's worth of workers is ready; fewer ready workers than stages means waiting. The global batch is fixed (``samples_per_step``), so fewer active pipelines make
 each step slower, not smaller. Preemption notices are not exploited by any policy (the
 same for all; conservative). Progress is counted in whole steps: a step commits when it
 ends. Conservation is asserted: no preempted node is placed, ``trained == committed +
@@ -189,7 +189,7 @@ class PlannedLayout:
 
     t_s: float
     layout: Layout
-    machines: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    machines: Mapping[str, str]
 
 
 @dataclass(frozen=True)
@@ -577,15 +577,15 @@ class _RuntimePlanner:
         self.num_pipelines = num_pipelines
         self.elastic = elastic
 
-    def initial(self, num_nodes: int, machines: Sequence[str] | None = None) -> _Plan | None:
+    def initial(self, num_workers: int, machines: Sequence[str] | None = None) -> _Plan | None:
         """A start from nothing (first start, or the restart after a fatal loss) on
-        ``num_nodes`` ready workers; ``machines``: the machine of each (None: not said)."""
+        ``num_workers`` ready workers; ``machines``: the machine of each (None: not said)."""
         partition = None if machines is None else _partition(machines)
-        key: tuple[object, ...] = (self.num_stages, self.num_pipelines, self.elastic, num_nodes)
+        key: tuple[object, ...] = (self.num_stages, self.num_pipelines, self.elastic, num_workers)
         if partition is not None:
             key += (partition,)
         if key not in self._plans:
-            idle = [f"i{k}" for k in range(num_nodes)]
+            idle = [f"i{k}" for k in range(num_workers)]
             said = None if partition is None else dict(zip(idle, _named(partition), strict=True))
             layout = initial_layout(
                 self.num_stages, self.num_pipelines, idle, elastic=self.elastic, machines=said
@@ -726,10 +726,10 @@ class _Job:
         """A (re)start on the ready nodes with no state in memory: the planner's first
         layout, paid as the policy's restart cost; waiting for nodes with fewer than the
         policy's ``min_start_nodes`` or too few for the planner."""
-        nodes = list(self.ready)
-        enough = len(nodes) >= self.policy.min_start_nodes(self.topology)
-        plan = self.planner.initial(len(nodes), self.machines(nodes)) if enough else None
-        self.members = None if plan is None else _Members(plan, {}, nodes)
+        workers = list(self.ready)
+        enough = len(workers) >= self.policy.min_start_nodes(self.topology)
+        plan = self.planner.initial(len(workers), self.machines(workers)) if enough else None
+        self.members = None if plan is None else _Members(plan, {}, workers)
         self.lost = set()
         if self.members is not None:
             first = not self.run.started
