@@ -3,6 +3,7 @@
 Examples::
 
     spotline simulate --trace p3-trace.csv --nodes 64 --model gpt2 --output runs/sim-p3
+    spotline simulate --trace p3-trace.csv --nodes 16 --slots 4 --output runs/sim-p3-x4
     spotline simulate --preempt-rate 0.1 --seeds 100 --nodes 64 --model gpt2 --output runs/r
     spotline simulate --sweep 0.01,0.05,0.1,0.2,0.5 --seeds 1000 --nodes 64 --output runs/s
 
