@@ -44,9 +44,11 @@ import torch
 import torch.distributed as dist
 
 from spotline import models
+from spotline.auth import TOKEN_ENV, AuthStore, ForgedValue, JobToken
 from spotline.checkpoint import CheckpointWriter, load_all
 from spotline.config import RunConfig
 from spotline.engine import build_engine, deepspeed_config_for
+from spotline.errors import UserError
 from spotline.exact import NonFiniteGradient
 from spotline.loop import EngineLog, StepDone, StepHooks, slow_machine, train_engine
 from spotline.lr_schedule import StepSchedule, constructor_hyper
@@ -263,7 +265,12 @@ def abort_connections(keep_port: int) -> int:
             try:
                 peer = sock.getpeername()
             except OSError:
-                continue  # a listening or unconnected socket
+                # Not connected: listening (gloo's listener, kept), or still connecting: a
+                # connect to a machine gone silent waits out the whole collective timeout
+                # (SYNs unanswered), so it is shut too (Linux aborts a SYN_SENT on shutdown).
+                if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue
+                peer = ("", -1)
             local = sock.getsockname()
             if peer[1] == keep_port or local[1] == keep_port:
                 continue
@@ -286,6 +293,20 @@ def packed_numel(st_names: list[tuple[str, torch.Size]]) -> int:
     return sum(3 * int(torch.Size(s).numel()) + 1 for _, s in st_names)
 
 
+def worker_token() -> JobToken:
+    """The job token this worker's agent handed it."""
+    text = os.environ.get(TOKEN_ENV)
+    if not text:
+        raise UserError(
+            f"no job token in {TOKEN_ENV}: a worker is started by `spotline agent`, which "
+            "hands it the token"
+        )
+    try:
+        return JobToken.from_text(text)
+    except ValueError:
+        raise UserError(f"{TOKEN_ENV} is not a job token (64 hex digits)") from None
+
+
 class ElasticWorker:
     """One preemptible worker process, driven by plans from the coordinator's store."""
 
@@ -298,7 +319,11 @@ class ElasticWorker:
         self.store_spec = parse_store_arg(store_addr)
         self.port = store_port(self.store_spec)  # kept open by abort_connections
         timeout = timedelta(seconds=max(60.0, cfg.spotline.recovery.heartbeat_timeout_s * 4))
-        self.store = connect_store(self.store_spec, timeout=timeout)
+        # Every value is sealed with the job token its agent handed it (spotline.auth):
+        # what someone without the token writes is never acted on.
+        self.token = worker_token()
+        self.raw_store = connect_store(self.store_spec, timeout=timeout)
+        self.store = AuthStore(self.raw_store, self.token)
         self.output = output
         self.holdings = Holdings()
         self.leaving = False
@@ -332,7 +357,9 @@ class ElasticWorker:
     def _start_heartbeat(self) -> None:
         from spotline.stores import connect_store
 
-        hb_store = connect_store(self.store_spec, timeout=timedelta(seconds=30))
+        hb_store = AuthStore(
+            connect_store(self.store_spec, timeout=timedelta(seconds=30)), self.token
+        )
         self._hb_interval = max(0.02, min(0.1, self.cfg.spotline.recovery.heartbeat_timeout_s / 10))
 
         def beat() -> None:
@@ -406,6 +433,8 @@ class ElasticWorker:
                 return self.store.get(key)
             except dist.DistStoreError:
                 continue
+            except ForgedValue:
+                time.sleep(0.05)  # not the coordinator's: wait for its own value
 
     # -- main loop --------------------------------------------------------------------
     def run(self) -> int:
@@ -553,7 +582,8 @@ class ElasticWorker:
         """The generation's gloo group (``pg/<g>`` in the store), and DeepSpeed's view of it."""
         dist.init_process_group(
             "gloo",
-            store=dist.PrefixStore(process_group_prefix(generation), self.store),
+            # gloo's rendezvous reads and writes the store itself (its keys are not sealed).
+            store=dist.PrefixStore(process_group_prefix(generation), self.raw_store),
             rank=rank,
             world_size=world,
             timeout=timedelta(seconds=self.cfg.spotline.recovery.collective_timeout_s),

@@ -58,6 +58,17 @@ and reaps its machine's workers on the coordinator's orders.
 - ``exit/<w>`` (:func:`exit_key`): how worker w's process ended (an int as
   ``subprocess.Popen.returncode``: negative for a signal). Written by its agent.
 - ``job-end`` (:data:`JOB_END_KEY`): the job is over; agents exit once their workers have.
+- ``admit/<n>`` (:func:`admit_key`): the coordinator's answer to ``machine/<n>``
+  (:class:`Admission` as JSON): the name the machine is known by (a name already taken, by a
+  machine lost earlier for one, gets a ``#k`` suffix: a returning machine is a new one), or
+  why it was refused (no job token, a wrong one).
+- ``fenced/<m>`` (:func:`fenced_key`): machine m was declared lost (its agent went quiet);
+  nothing it writes is acted on any more. Its agent, if it comes back, stops its workers
+  and exits; started again, it joins as a new machine.
+- ``agent-leaving/<m>`` (:func:`agent_leaving_key`): m's agent got a preemption notice; no
+  worker is started there any more. Written by the agent.
+
+Every value but counters and ``pg/<g>`` is sealed with the job token (``spotline.auth``).
 """
 
 from __future__ import annotations
@@ -109,6 +120,9 @@ KEY_PREFIXES = (
     "orders",
     "order",
     "exit",
+    "admit",
+    "fenced",
+    "agent-leaving",
 )
 """The first component of every key with a ``/`` (tests check that no other module spells one)."""
 
@@ -203,6 +217,19 @@ def order_key(machine: str, n: int) -> str:
 
 def exit_key(worker: str) -> str:
     return f"exit/{worker}"
+
+
+def admit_key(n: int) -> str:
+    assert n >= 1, "the machines counter starts at 1"
+    return f"admit/{n}"
+
+
+def fenced_key(machine: str) -> str:
+    return f"fenced/{machine}"
+
+
+def agent_leaving_key(machine: str) -> str:
+    return f"agent-leaving/{machine}"
 
 
 # -- messages ------------------------------------------------------------------------------
@@ -490,6 +517,32 @@ class MachineInfo:
 
     @classmethod
     def decode(cls, text: bytes | str) -> MachineInfo:
+        return cls.from_json(json.loads(text))
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The coordinator's answer to a machine's registration: admitted as ``machine``, or
+    ``refused`` with the reason (one line, which the refused agent prints)."""
+
+    machine: str | None = None
+    refused: str | None = None
+
+    def __post_init__(self) -> None:
+        assert (self.machine is None) != (self.refused is None), "admitted or refused, not both"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"machine": self.machine, "refused": self.refused}
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> Admission:
+        return cls(raw["machine"], raw["refused"])
+
+    def encode(self) -> str:
+        return json.dumps(self.to_json())
+
+    @classmethod
+    def decode(cls, text: bytes | str) -> Admission:
         return cls.from_json(json.loads(text))
 
 

@@ -6,10 +6,17 @@ registers its machine (:class:`~spotline.protocol.MachineInfo`: name, slots, the
 peers reach it at), heartbeats, reads its orders (:class:`~spotline.protocol.Order`, numbered
 ``order/<machine>/1, 2, ...``) and writes each worker's exit status (``exit/<w>``). Workers
 are forked by a :class:`~spotline.launch.control.spawner.Spawner` that imported the training
-stack once, so an order's worker starts in a fraction of a second.
+stack once, so an order's worker starts in a fraction of a second. Everything it writes is
+sealed with the job token (``--token-file``, handed to its workers in ``SPOTLINE_JOB_TOKEN``;
+``spotline.auth``) and every order it reads must verify with it.
 
-Three ways it ends:
+How it ends:
 
+- refused at registration (no job token, or a wrong one): one line, exit
+  :data:`EXIT_REFUSED`;
+- declared lost by the coordinator while it was cut off (its link down longer than the
+  heartbeat timeout), then back: fenced (``fenced/<m>``), it SIGKILLs its workers, whose
+  work was given to others, says so in one line and exits :data:`EXIT_FENCED`;
 - the job ends (``job-end``) and its workers have exited: exit 0;
 - a preemption notice (SIGTERM to the agent, as a cloud's interruption notice reaches a
   machine's init system): every worker gets SIGTERM, leaves at its next step boundary, and
@@ -29,20 +36,32 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from spotline.auth import (
+    TOKEN_ENV,
+    AuthStore,
+    JobToken,
+    RawStore,
+    read_token_file,
+    unsealed_payload,
+)
 from spotline.errors import UserError
 from spotline.launch.control.spawner import ForkedProcess, Spawner
 from spotline.protocol import (
     JOB_END_KEY,
     MACHINES_COUNTER,
+    Admission,
     MachineInfo,
     Order,
-    Store,
+    admit_key,
     agent_heartbeat_key,
+    agent_leaving_key,
     exit_key,
+    fenced_key,
     machine_key,
     order_key,
 )
@@ -51,12 +70,41 @@ if TYPE_CHECKING:
     from spotline.stores import StoreSpec
 
 EXIT_COORDINATOR_LOST = 3  # as a worker that loses its coordinator (spotline.elastic)
+EXIT_FENCED = 4  # declared lost while cut off: its workers were replaced
+EXIT_REFUSED = 2  # a user's mistake: no job token, or a wrong one
 # An order (a kill a test or a trace delivers at a step) reaches the worker within this.
 POLL_S = 0.01
+# The heartbeat (and the fence check) is rarer: the coordinator's timeout is seconds, and
+# every agent's store traffic shares the coordinator's machine.
+HEARTBEAT_S = 0.1
 DEFAULT_PRELOAD = "spotline.launch.elastic_worker"
 LOCAL_MACHINE = "local"
 SPAWNER_READY_WAIT_S = 300.0
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
+
+
+class Refused(Exception):
+    """The coordinator refused this machine (the reason: one line)."""
+
+
+class Fenced(Exception):
+    """The coordinator declared this machine lost while it was cut off."""
+
+
+def read_admission(raw: bytes, key: str, token: JobToken | None) -> Admission:
+    """The coordinator's answer to a registration. An admission is believed only when it
+    verifies with this agent's token (someone else could write one); a refusal is believed
+    as it is (with a wrong token, this agent cannot verify the coordinator's seal)."""
+    payload = token.open(key, raw) if token is not None else None
+    if payload is not None:
+        return Admission.decode(payload)
+    try:
+        answer = Admission.decode(unsealed_payload(raw))
+    except (ValueError, KeyError, TypeError, AssertionError):
+        answer = Admission(refused="an unreadable answer")
+    if answer.refused is None:
+        return Admission(refused="an answer not sealed with this token: a wrong job token")
+    return answer
 
 
 class Agent:
@@ -64,47 +112,95 @@ class Agent:
 
     def __init__(
         self,
-        store: Store,
+        raw_store: RawStore,
+        token: JobToken | None,
         machine: MachineInfo,
         start_process: Callable[[str, str, list[str], dict[str, str], Path], ForkedProcess],
         *,
         env: dict[str, str],
         logs: Path,
     ) -> None:
-        self.store = store
+        self.raw_store = raw_store
+        self.token = token
+        # Everything after the admission is sealed and checked (an agent without a token is
+        # refused before it reads anything).
+        self.store = AuthStore(raw_store, token) if token is not None else None
         self.machine = machine
         self.start_process = start_process
-        self.env = env
+        self.env = dict(env, **({TOKEN_ENV: token.text()} if token is not None else {}))
         self.logs = logs
         self.workers: dict[str, ForkedProcess] = {}
         self.reported: set[str] = set()
         self.next_order = 1
         self.leaving = False
+        self.leaving_said = False
+        self.registration = 0
+        self.last_beat = -float("inf")
 
     def join(self) -> None:
-        n = self.store.add(MACHINES_COUNTER, 1)
-        self.store.set(machine_key(n), self.machine.encode())
+        """Register this machine (sealed with the token, if this agent has one)."""
+        self.registration = self.raw_store.add(MACHINES_COUNTER, 1)
+        key = machine_key(self.registration)
+        text = self.machine.encode()
+        self.raw_store.set(key, self.token.seal(key, text) if self.token is not None else text)
+
+    def admission(self) -> Admission | None:
+        """The coordinator's answer, once it has given one."""
+        key = admit_key(self.registration)
+        if not self.raw_store.check([key]):
+            return None
+        return read_admission(self.raw_store.get(key), key, self.token)
+
+    def wait_admitted(self, limit_s: float) -> None:
+        """Wait for the admission; take the name the coordinator gave. Refused if refused."""
+        deadline = time.monotonic() + limit_s
+        while (answer := self.admission()) is None:
+            if time.monotonic() > deadline:
+                raise Refused(f"no answer from the coordinator within {limit_s:g} s")
+            time.sleep(POLL_S * 5)
+        if answer.refused is not None:
+            raise Refused(answer.refused)
+        assert answer.machine is not None
+        self.machine = replace(self.machine, name=answer.machine)
 
     def live(self) -> list[str]:
         return [w for w in self.workers if w not in self.reported]
 
     def serve_once(self) -> bool:
-        """Heartbeat, apply new orders, report exits; whether the agent goes on."""
-        self.store.set(agent_heartbeat_key(self.machine.name), repr(time.time()))
-        while self.store.check([order_key(self.machine.name, self.next_order)]):
-            raw = self.store.get(order_key(self.machine.name, self.next_order))
+        """Heartbeat, apply new orders, report exits; whether the agent goes on. Raises
+        :class:`Fenced` once the coordinator has declared this machine lost."""
+        store = self.store
+        assert store is not None, "an agent serves only once admitted, with a token"
+        name = self.machine.name
+        now = time.monotonic()
+        if now - self.last_beat >= HEARTBEAT_S:
+            self.last_beat = now
+            store.set(agent_heartbeat_key(name), repr(time.time()))
+            if store.check([fenced_key(name)]):
+                raise Fenced(name)
+        if self.leaving and not self.leaving_said:
+            # Written here, not in the signal handler: a store client is not reentrant.
+            store.set(agent_leaving_key(name), "1")
+            self.leaving_said = True
+        while self.raw_store.check([order_key(name, self.next_order)]):
+            key = order_key(name, self.next_order)
             self.next_order += 1
-            self._apply(Order.decode(raw))
+            payload = store.token.open(key, self.raw_store.get(key))
+            if payload is None:
+                print(f"spotline agent {name}: ignored {key}: not sealed with the job token")
+                continue
+            self._apply(Order.decode(payload))
         for w in self.live():
             code = self.workers[w].poll()
             if code is not None:
-                self.store.set(exit_key(w), str(code))
+                store.set(exit_key(w), str(code))
                 self.reported.add(w)
         if self.live():
             return True
-        return not (self.leaving or self.store.check([JOB_END_KEY]))
+        return not (self.leaving or store.check([JOB_END_KEY]))
 
     def _apply(self, order: Order) -> None:
+        assert self.store is not None
         if order.kind == "signal":
             assert order.signal is not None  # Order checks it
             if order.worker in self.workers:
@@ -144,6 +240,17 @@ def _serve(agent: Agent, lost_after_s: float) -> int:
         try:
             go_on = agent.serve_once()
             last_contact = time.monotonic()
+        except Fenced:
+            stopped = len(agent.live())
+            agent.kill_all()
+            print(
+                f"spotline agent {agent.machine.name}: the coordinator declared this machine "
+                f"lost while it was cut off and replaced its work; stopped {stopped} "
+                "worker(s), exiting (start the agent again to rejoin as a new machine)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_FENCED
         except RuntimeError:  # torch's store errors (DistNetworkError, DistStoreError)
             if time.monotonic() - last_contact > lost_after_s:
                 agent.kill_all()
@@ -159,6 +266,35 @@ def _serve(agent: Agent, lost_after_s: float) -> int:
         if not go_on:
             return 0
         time.sleep(POLL_S)
+
+
+def _wait_reachable(host: str, port: int, limit_s: float) -> None:
+    """Wait until ``host:port`` accepts a connection (OSError after ``limit_s``). A store
+    client's own connect backs off for up to tens of seconds while the network is down (a
+    machine that boots before its network): probing every 0.2 s joins it within a moment
+    of the network coming up."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1.0):
+                return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.2)
+
+
+def refusal_line(reason: str, token_file: str | None) -> str:
+    """What a refused agent says: the coordinator's reason and the fix."""
+    if token_file is None:
+        return (
+            f"refused by the coordinator ({reason}): this job needs its token; pass the "
+            "coordinator's job-token file (in its --output directory) with --token-file FILE"
+        )
+    return (
+        f"refused by the coordinator ({reason}): --token-file {token_file} is not this job's "
+        "token; copy the coordinator's job-token file (in its --output directory)"
+    )
 
 
 def local_address(host: str, port: int) -> str:
@@ -178,6 +314,12 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     where = parser.add_mutually_exclusive_group()
     where.add_argument("--address", default=None, help="the address peers reach this machine at")
     where.add_argument("--iface", default=None, help="the interface peers reach this machine on")
+    parser.add_argument(
+        "--token-file",
+        default=None,
+        metavar="FILE",
+        help="the job token (the coordinator's OUTPUT/job-token, or its --token-file)",
+    )
     parser.add_argument("--logs", default=None, help="worker logs (default: spotline-agent/NAME)")
     parser.add_argument(
         "--lost-after",
@@ -208,8 +350,9 @@ def run_agent(args: argparse.Namespace) -> int:
     if args.slots < 1:
         raise UserError(f"--slots {args.slots}: a machine has at least one slot; use --slots 1")
     name = args.name or socket.gethostname()
-    if "/" in name or not name:
-        raise UserError(f"--name {name!r}: a machine name has no '/'; choose another")
+    if "/" in name or "#" in name or not name:
+        raise UserError(f"--name {name!r}: a machine name has no '/' or '#'; choose another")
+    token = read_token_file(args.token_file) if args.token_file is not None else None
     from spotline.launch.control.supervisor import child_environment
 
     # The workers' environment, and this process's own before torch reads it at import
@@ -221,18 +364,6 @@ def run_agent(args: argparse.Namespace) -> int:
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
     spec = _parse_join(args.join)  # imports torch (spotline.stores)
     host, port = spec.host, spec.port
-    from spotline.stores import connect_store
-
-    try:
-        store: Any = connect_store(spec, timeout=timedelta(seconds=args.lost_after))
-    except (RuntimeError, UserError) as exc:
-        print(
-            f"spotline agent {name}: cannot reach the coordinator at {host}:{port} within "
-            f"{args.lost_after:g} s ({str(exc).splitlines()[0]}); exiting",
-            file=sys.stderr,
-            flush=True,
-        )
-        return EXIT_COORDINATOR_LOST
     from spotline.net import gloo_environment, resolve
 
     if args.address is not None or args.iface is not None:
@@ -246,8 +377,40 @@ def run_agent(args: argparse.Namespace) -> int:
         env.update(gloo_environment(binding.ifname))
     machine = MachineInfo(name, args.slots, binding.ip, binding.ifname)
     logs = Path(args.logs or f"spotline-agent/{name}")
+    # The spawner imports the training stack while the agent reaches the coordinator (a
+    # machine that boots before its network is up, or before the coordinator, is ready to
+    # fork workers the moment it joins).
     spawner = Spawner(args.preload or [DEFAULT_PRELOAD], env, logs / "spawner.log")
-    agent = Agent(store, machine, spawner.start, env=env, logs=logs)
+    try:
+        return _join_and_serve(args, name, token, machine, spawner, env, logs, spec)
+    finally:
+        spawner.close()
+
+
+def _join_and_serve(
+    args: argparse.Namespace,
+    name: str,
+    token: JobToken | None,
+    machine: MachineInfo,
+    spawner: Spawner,
+    env: dict[str, str],
+    logs: Path,
+    spec: StoreSpec,
+) -> int:
+    from spotline.stores import connect_store
+
+    try:
+        _wait_reachable(spec.host, spec.port, args.lost_after)
+        store: Any = connect_store(spec, timeout=timedelta(seconds=args.lost_after))
+    except (RuntimeError, UserError, OSError) as exc:
+        print(
+            f"spotline agent {name}: cannot reach the coordinator at {spec.host}:{spec.port} "
+            f"within {args.lost_after:g} s ({str(exc).splitlines()[0]}); exiting",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_COORDINATOR_LOST
+    agent = Agent(store, token, machine, spawner.start, env=env, logs=logs)
     signal.signal(signal.SIGTERM, lambda signum, frame: agent.notice())
     try:
         # Joined only once a worker can be forked at once: the agent's loop (its heartbeat)
@@ -258,11 +421,19 @@ def run_agent(args: argparse.Namespace) -> int:
             print(f"spotline agent {name}: {exc}; see {logs}/spawner.log", file=sys.stderr)
             return 1
         agent.join()
+        try:
+            agent.wait_admitted(args.lost_after)
+        except Refused as exc:
+            print(
+                f"spotline agent {name}: {refusal_line(str(exc), args.token_file)}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_REFUSED
         return _serve(agent, args.lost_after)
     finally:
         if agent.live():
             agent.kill_all()
-        spawner.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,7 +451,13 @@ if __name__ == "__main__":
 
 
 def start_local_agent(
-    store_arg: str, *, slots: int, logs: Path, env: dict[str, str], lost_after_s: float
+    store_arg: str,
+    *,
+    slots: int,
+    logs: Path,
+    env: dict[str, str],
+    lost_after_s: float,
+    token_file: Path,
 ) -> subprocess.Popen[bytes]:
     """``spotline train``'s one machine: an agent process on this one (named ``local``),
     joined to the coordinator's store ``store_arg``; its output goes to ``logs/agent.log``."""
@@ -289,7 +466,7 @@ def start_local_agent(
         return subprocess.Popen(
             [sys.executable, "-m", "spotline.launch.agent", "--join", store_arg]
             + ["--slots", str(slots), "--name", LOCAL_MACHINE, "--logs", str(logs)]
-            + ["--lost-after", f"{lost_after_s:g}"],
+            + ["--lost-after", f"{lost_after_s:g}", "--token-file", str(token_file)],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -142,7 +142,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     env["OMP_NUM_THREADS"] = str(cfg.spotline.determinism.intra_op_threads)
     try:
         coordinator = Coordinator(
-            cfg, resolved, output, env=env, resume_from=resume_from, listen=listen
+            cfg,
+            resolved,
+            output,
+            env=env,
+            resume_from=resume_from,
+            listen=listen,
+            token_file=getattr(args, "token_file", None),
         )
     except UserError as exc:  # e.g. an unreachable etcd
         return fail(str(exc))
@@ -415,6 +421,12 @@ def main(argv: list[str] | None = None) -> int:
         required=True,
         metavar="ADDR:PORT",
         help="where the machines' agents (spotline agent --join) reach the coordinator",
+    )
+    coordinator_parser.add_argument(
+        "--token-file",
+        default=None,
+        metavar="FILE",
+        help="the job token (default: a new one, written to OUTPUT/job-token, mode 0600)",
     )
     if argv and argv[0] == "agent":
         from spotline.launch.agent import main as agent_main

@@ -34,6 +34,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from spotline.auth import AuthStore, job_token
 from spotline.checkpoint_manifest import read_metadata
 from spotline.config import RunConfig
 from spotline.launch.control.checkpoints import CheckpointCommits
@@ -91,10 +92,12 @@ class Coordinator:
         env: dict[str, str],
         resume_from: int | None = None,
         listen: tuple[str, int] | None = None,
+        token_file: str | None = None,
     ) -> None:
         """``listen``: ``spotline coordinator``'s address (the control plane alone: the
         machines' agents join it); None: ``spotline train``'s one machine (a local agent, the
-        store on 127.0.0.1)."""
+        store on 127.0.0.1). ``token_file``: the job token (None: the one in ``output``, or
+        a new one written there)."""
         self.cfg = cfg
         self.sl = cfg.spotline
         self.output = output
@@ -106,12 +109,18 @@ class Coordinator:
         from spotline.stores import host_store
 
         rec = self.sl.recovery
-        self.store, self.store_spec = host_store(
+        self.token = job_token(output, token_file)
+        self.token_path = Path(token_file) if token_file else output / "job-token"
+        raw_store, self.store_spec = host_store(
             rec.store,
             etcd_endpoint=rec.etcd_endpoint,
             timeout=timedelta(seconds=60),
             listen=listen or ("127.0.0.1", 0),
         )
+        # Every value read is checked against the job token: one written without it is as
+        # if never written (and told once, as a "forged" event).
+        self.forged: set[str] = set()
+        self.store = AuthStore(raw_store, self.token, on_forged=self._forged)
         self.cluster = listen is not None
         self.generation = 0
         # When the last generation's first member reported (the clock of a change without
@@ -126,6 +135,7 @@ class Coordinator:
             output=output,
             store_arg=self.store_spec.to_arg(),
             env=env,
+            on_refused=self._refused,
         )
         self.faults = FaultDelivery(cfg, self.store, self.supervisor, self.metrics, self)
         self.policy = POLICIES[rec.mode]
@@ -159,6 +169,16 @@ class Coordinator:
         self.stall_progress = 0
         self.stall_since = time.monotonic()
         self.stall_marks = (0, 0)
+
+    # -- the job token ------------------------------------------------------------------
+    def _forged(self, key: str) -> None:
+        if key not in self.forged:
+            self.forged.add(key)
+            self.metrics.event("forged", key=key)
+
+    def _refused(self, what: str) -> None:
+        self.metrics.event("refused", what=what)
+        print(f"spotline: refused {what}", file=sys.stderr, flush=True)
 
     # -- what the parts read ------------------------------------------------------------
     @property
@@ -211,6 +231,21 @@ class Coordinator:
                 # A step boundary a little ahead, so that every member sees it in time.
                 self.request_boundary()
 
+    def _use_new_machines(self) -> None:
+        """A cluster's free slots get workers: a machine that joined mid-run (its workers
+        join at the next step boundary, as the planner decides: standby or new pipelines,
+        their state sent from live machines), or a slot whose worker was lost while its
+        machine lives on. ``spotline train``'s one machine runs the workers its faults
+        start."""
+        if not self.cluster:
+            return
+        for info in self.supervisor.machines.refresh():
+            self.metrics.event("machine-joined", machine=info.name, slots=info.slots)
+        for machine, free in self.supervisor.free_slots().items():
+            for _ in range(free):
+                wid = self.supervisor.spawn(machine=machine)
+                self.metrics.event("arrived", worker=wid, machine=machine)
+
     def request_boundary(self, at_step: int | None = None) -> None:
         """Ask the members to stop at a step boundary (``at_step``, or a little ahead so that
         every member sees it in time)."""
@@ -224,7 +259,8 @@ class Coordinator:
         while True:
             self._check_stalled()
             self.metrics.record_throughput()
-            self.supervisor.poll()
+            self._use_new_machines()
+            self.poll_workers()
             self.faults.deliver()
             joiners = self.joined_waiting()
             if joiners:
@@ -342,6 +378,7 @@ class Coordinator:
             logs=self.output / "logs",
             env=self.supervisor.env,
             lost_after_s=LOCAL_AGENT_LOST_AFTER_S,
+            token_file=self.token_path,
         )
         deadline = time.monotonic() + AGENT_JOIN_WAIT_S
         while not self.supervisor.machines.refresh():
@@ -365,7 +402,8 @@ class Coordinator:
                 print(
                     f"spotline: {len(machines.joined)} machine(s) joined with {have} of the "
                     f"{slots} slots the run starts with; join more with `spotline agent "
-                    f"--join {self.store_spec.host}:{self.store_spec.port} --slots K`",
+                    f"--join {self.store_spec.host}:{self.store_spec.port} --slots K "
+                    f"--token-file {self.token_path}` (a copy of that file on each machine)",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -558,16 +596,8 @@ class Coordinator:
                 f"the local agent exited ({self.local_agent.returncode}); see "
                 f"{self.output}/logs/agent.log"
             )
-        # A cluster's machine is lost when its agent goes quiet; the one local machine's
-        # agent is this process's child, whose exit is seen above.
-        timeout_s = self.sl.recovery.heartbeat_timeout_s if self.cluster else None
-        for w in sup.poll(machine_timeout_s=timeout_s):
-            if sup[w].fate in ("killed", "crashed") and w in self.members():
-                self.metrics.pending_failure_t = (
-                    self.metrics.pending_failure_t or self.metrics.now()
-                )
-                # Members waiting in the commit barrier leave it at once.
-                self.store.set(abort_key(g), w)
+        self._use_new_machines()
+        self.poll_workers()
         sup.check_heartbeats(self.sl.recovery.heartbeat_timeout_s)
         self._check_stalled()
         self.faults.deliver()
@@ -588,6 +618,23 @@ class Coordinator:
                 self.metrics.event("leaving", worker=w)
                 self.request_boundary()
 
+    def poll_workers(self) -> list[str]:
+        """The workers that exited since the last call, and those of a machine lost (a
+        cluster's machine is lost when its agent goes quiet; the one local machine's agent
+        is this process's child, whose exit :meth:`_watch_workers` sees)."""
+        sup = self.supervisor
+        timeout_s = self.sl.recovery.heartbeat_timeout_s if self.cluster else None
+        died = sup.poll(machine_timeout_s=timeout_s)
+        for w in died:
+            if sup[w].fate in ("killed", "crashed") and w in self.members():
+                self.metrics.pending_failure_t = (
+                    self.metrics.pending_failure_t or self.metrics.now()
+                )
+                # Members waiting in the commit barrier (or blocked on a machine gone
+                # silent) leave it at once.
+                self.store.set(abort_key(self.generation), w)
+        return died
+
     def _read_reports(self, g: int, expected: set[str], reports: dict[str, Report]) -> bool:
         """Add generation ``g``'s new reports to ``reports``; whether a member's is among them."""
         member_reported = False
@@ -606,7 +653,7 @@ class Coordinator:
         deadline = time.monotonic() + 180
         while awaited and time.monotonic() < deadline:
             self._check_stalled()
-            self.supervisor.poll()
+            self.poll_workers()
             ready = [
                 w for w in awaited if self.supervisor.has_joined(w) or not self.supervisor[w].alive
             ]

@@ -12,19 +12,75 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-from conftest import REPO, child_env, read_summary, run_spotline, small_config, write_config
+from conftest import REPO, child_env, read_summary, small_config, write_config
 from netns import Machine
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-STEPS = 6
-# Dropout on (gpt2-tiny's default): the takeover must also reproduce the dropout masks.
-CONFIG = small_config(training={"steps": STEPS}, redundancy={"mode": "lazy"})
+# Long enough for a run to see an arrival, a silent loss, a fence and a notice one after the
+# other (a step of this tiny model takes a fraction of a second).
+STEPS = 200
+# Dropout on (gpt2-tiny's default): the takeover must also reproduce the dropout masks. A
+# machine is declared lost after 4 s without its agent's heartbeat.
+CONFIG = small_config(
+    training={"steps": STEPS}, redundancy={"mode": "lazy"}, recovery={"heartbeat_timeout_s": 4}
+)
 TOPOLOGY = ("--workers", "4", "--stages", "2")
 JOIN = re.compile(r"--join (\S+:\d+)")
+
+
+class Baseline:
+    """The undisturbed run (``spotline train`` on one machine) every cluster run of this
+    topology must match; it runs alongside the first cluster run (which mostly waits)."""
+
+    def __init__(
+        self, tmp: Path, config: dict[str, Any] = CONFIG, topology: tuple[str, ...] = TOPOLOGY
+    ) -> None:
+        cfg = write_config(tmp / "c.json", config)
+        self.out = tmp / "base"
+        self.err = open(tmp / "base.err", "w")  # noqa: SIM115 - closed in result()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "spotline.launch.cli", "train", "--config", str(cfg)]
+            + ["--output", str(self.out), *topology],
+            cwd=REPO,
+            env=child_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=self.err,
+        )
+        self.summary: dict[str, Any] | None = None
+
+    def stop(self) -> None:
+        """A test that failed before needing it: Ctrl-C, which stops its agent and workers."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.err.close()
+
+    def result(self) -> dict[str, Any]:
+        if self.summary is None:
+            code = self.proc.wait(timeout=600)
+            self.err.close()
+            assert code == 0, Path(self.err.name).read_text()[-3000:]
+            self.summary = read_summary(self.out)
+        return self.summary
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Baseline]:
+    run = Baseline(tmp_path_factory.mktemp("baseline"))
+    try:
+        yield run
+    finally:
+        run.stop()
 
 
 def _wait_for(path: Path, pattern: str, procs: list[subprocess.Popen[str]], limit_s: float) -> str:
@@ -53,57 +109,204 @@ def _kill_machine(machine: Machine) -> None:
             pass
 
 
-def test_a_whole_machine_killed_mid_step_is_taken_over_in_memory(
-    netns_cluster, tmp_path: Path
-) -> None:
-    """4 machines x 1 slot, 2 stages x 2 pipelines: every process of one machine (its agent
-    and its worker) SIGKILLed mid-step. The survivors take its stage over from memory and
-    the run ends with the undisturbed run's hash and losses; no checkpoint is read."""
-    cfg = write_config(tmp_path / "c.json", CONFIG)
-    baseline = run_spotline(
-        ["train", "--config", str(cfg), "--output", str(tmp_path / "base"), *TOPOLOGY]
-    )
-    assert baseline.returncode == 0, baseline.stderr[-3000:]
-    expected = read_summary(tmp_path / "base")
-
-    coordinator_host, *hosts = netns_cluster(5)
-    out = tmp_path / "out"
-    err = tmp_path / "coordinator.err"
+def _coordinator(
+    host: Machine, cfg: Path, out: Path, topology: tuple[str, ...]
+) -> tuple[subprocess.Popen[str], Path, str]:
+    """``spotline coordinator`` on ``host``; returns it, its stderr file and its --join."""
+    err = out.parent / f"{out.name}.coordinator.err"
     with open(err, "w") as err_file:
-        coordinator = coordinator_host.popen(
+        proc = host.popen(
             [sys.executable, "-m", "spotline.launch.cli", "coordinator", "--config", str(cfg)]
-            + [*TOPOLOGY, "--output", str(out), "--listen", f"{coordinator_host.address}:0"],
+            + [*topology, "--output", str(out), "--listen", f"{host.address}:0"],
             cwd=REPO,
             env=child_env(),
             stdout=subprocess.DEVNULL,
             stderr=err_file,
             text=True,
         )
-    join = JOIN.search(_wait_for(err, r"--join \S+:\d+", [coordinator], 300)).group(1)
-    assert join.startswith(f"{coordinator_host.address}:")  # never 127.0.0.1 across machines
+    join = JOIN.search(_wait_for(err, r"--join \S+:\d+", [proc], 300))
+    assert join is not None
+    assert join.group(1).startswith(f"{host.address}:")  # never 127.0.0.1 across machines
+    return proc, err, join.group(1)
+
+
+def _agent(
+    host: Machine, join: str, name: str, out: Path, *extra: str, slots: int = 1
+) -> subprocess.Popen[str]:
+    return host.popen(
+        [sys.executable, "-m", "spotline.launch.cli", "agent", "--join", join]
+        + ["--slots", str(slots), "--name", name, "--iface", host.iface]
+        + ["--logs", str(out / "agents" / name), *extra],
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _token(out: Path) -> tuple[str, str]:
+    return ("--token-file", str(out / "job-token"))
+
+
+def test_a_whole_machine_killed_mid_step_is_taken_over_in_memory(
+    netns_cluster, baseline, tmp_path: Path
+) -> None:
+    """4 machines x 1 slot, 2 stages x 2 pipelines: every process of one machine (its agent
+    and its worker) SIGKILLed mid-step. The survivors take its stage over from memory and
+    the run ends with the undisturbed run's hash and losses; no checkpoint is read."""
+    cfg = write_config(tmp_path / "c.json", CONFIG)
+    coordinator_host, *hosts = netns_cluster(5)
+    out = tmp_path / "out"
+    coordinator, err, join = _coordinator(coordinator_host, cfg, out, TOPOLOGY)
     agents = [
-        host.popen(
-            [sys.executable, "-m", "spotline.launch.cli", "agent", "--join", join]
-            + ["--slots", "1", "--name", f"m{i}", "--iface", host.iface]
-            + ["--logs", str(out / "agents" / f"m{i}")],
-            cwd=REPO,
-            env=child_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i, host in enumerate(hosts, start=1)
+        _agent(host, join, f"m{i}", out, *_token(out)) for i, host in enumerate(hosts, start=1)
     ]
-    _wait_for(err, r"spotline: step 2/", [coordinator], 600)
+    _wait_for(err, r"spotline: step \d+/", [coordinator], 600)
     _kill_machine(hosts[1])  # m2: its agent and its worker
     assert coordinator.wait(timeout=600) == 0, err.read_text()[-3000:]
     summary = read_summary(out)
+    expected = baseline.result()
     assert summary["param_sha256"] == expected["param_sha256"]
     assert summary["losses"] == expected["losses"]
     assert summary["checkpoint_fallbacks"] == 0  # in memory, not from disk
     assert summary["recoveries"] >= 1 and summary["preemptions"] == 1
     assert any(e["kind"] == "machine-lost" and e["machine"] == "m2" for e in summary["events"])
+    # 4 machines: the planner never left a stage with every copy on one machine.
+    assert summary["exposed_stages"] == [] and summary["exposed_generations"] == 0
     for i, agent in enumerate(agents, start=1):
         code = agent.wait(timeout=120)
         if i != 2:
             assert code == 0, agent.communicate()[1]
+
+
+def _one_line(proc: subprocess.Popen[str], code: int) -> str:
+    """A process that must exit ``code`` with exactly one line on stderr: that line."""
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err[-3000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err[-3000:]
+    return lines[0]
+
+
+def test_silent_loss_fencing_arrival_notice_and_intruders_in_one_run(
+    netns_cluster, baseline, tmp_path: Path
+) -> None:
+    """One run of 4 machines x 1 slot (2 stages x 2 pipelines), and on the way:
+
+    - two intruders try to join, one with no token and one with a wrong token: refused, one
+      line each, never in a plan;
+    - a fifth machine, up before its network is, joins mid-run when its link comes up: its
+      worker is used from the next step boundary (its state sent from live machines);
+    - one machine's link is cut (its processes keep running): declared lost within the
+      heartbeat timeout and taken over in memory; its link restored: it is fenced, its agent
+      stops its worker and says so, and nothing it writes is acted on;
+    - SIGTERM to another machine's agent (a cloud's preemption notice): its worker leaves at
+      a step boundary and the agent exits 0.
+
+    The run ends with the undisturbed run's hash and every step's loss; no checkpoint is read.
+    """
+    cfg = write_config(tmp_path / "c.json", CONFIG)
+    coordinator_host, *hosts = netns_cluster(6)
+    out = tmp_path / "out"
+    coordinator, err, join = _coordinator(coordinator_host, cfg, out, TOPOLOGY)
+    live = [coordinator]
+    agents = {
+        f"m{i}": _agent(host, join, f"m{i}", out, *_token(out))
+        for i, host in enumerate(hosts[:4], start=1)
+    }
+    # The intruders run on the coordinator's machine: they reach its store as well as any.
+    wrong = tmp_path / "wrong-token"
+    wrong.write_text("ab" * 32)
+    no_token = _agent(coordinator_host, join, "intruder1", tmp_path / "i1")
+    wrong_token = _agent(
+        coordinator_host, join, "intruder2", tmp_path / "i2", "--token-file", str(wrong)
+    )
+    # The fifth machine boots with its link down: its agent imports while it waits for it.
+    hosts[4].link_down()
+    agents["m5"] = _agent(hosts[4], join, "m5", out, *_token(out), "--lost-after", "300")
+    assert "this job needs its token" in _one_line(no_token, 2)
+    assert "is not this job's token" in _one_line(wrong_token, 2)
+    _wait_for(out / "agents" / "m5" / "spawner.log", r"spawner: ready", live, 300)
+
+    _wait_for(err, r"spotline: step \d+/", live, 600)
+    hosts[4].link_up()  # m5 arrives mid-run
+    arrived = _wait_for(err, r"arrived \{'worker': '(w\d+)', 'machine': 'm5'\}", live, 300)
+    newcomer = re.search(r"'(w\d+)'", arrived).group(1)  # type: ignore[union-attr]
+    _wait_for(err, rf"joined \{{'worker': '{newcomer}'\}}[\s\S]*plan ", live, 300)
+
+    hosts[1].link_down()  # m2 goes silent: no FIN, no RST
+    _wait_for(err, r"machine-lost \{'machine': 'm2'\}[\s\S]*plan ", live, 300)
+    hosts[1].link_up()
+    agents["m3"].send_signal(signal.SIGTERM)  # m3's preemption notice
+    fenced = _one_line(agents.pop("m2"), 4)
+    assert fenced.startswith("spotline agent m2: the coordinator declared this machine lost")
+    assert coordinator.wait(timeout=600) == 0, err.read_text()[-3000:]
+    for name, agent in agents.items():
+        assert agent.wait(timeout=120) == 0, (name, agent.communicate()[1])
+
+    summary = read_summary(out)
+    expected = baseline.result()
+    assert summary["param_sha256"] == expected["param_sha256"]
+    assert summary["losses"] == expected["losses"]
+    assert summary["checkpoint_fallbacks"] == 0  # in memory, not from disk
+    kinds = [(e["kind"], e.get("machine") or e.get("worker")) for e in summary["events"]]
+    assert ("machine-lost", "m2") in kinds and ("machine-joined", "m5") in kinds
+    refused = [e["what"] for e in summary["events"] if e["kind"] == "refused"]
+    assert sorted(w.split(" (")[0] for w in refused) == [
+        "machine 'intruder1'",
+        "machine 'intruder2'",
+    ]
+    leaving = [e["worker"] for e in summary["events"] if e["kind"] == "leaving"]
+    assert len(leaving) == 1  # m3's worker, at a boundary: a departure, not a failure
+    assert summary["preemptions"] == 2  # m2 (silent) and m3 (notice)
+    assert summary["recoveries"] == 1  # only m2's loss was a failure
+    assert summary["exposed_stages"] == []
+
+
+def test_two_machines_of_two_slots_one_machine_lost_is_recovered_on_the_other(
+    netns_cluster, tmp_path: Path
+) -> None:
+    """2 machines x 2 slots, 4 stages in one pipeline (lazy redundancy: each stage's replica
+    on its predecessor's worker). The plan puts no stage and its replica on one machine
+    (asserted on every plan published); every process of one machine SIGKILLed mid-run:
+    the other machine's two workers hold every stage and take over in memory."""
+    config = {**CONFIG, "spotline": {**CONFIG["spotline"], "training": {"steps": 40, "seed": 7}}}
+    topology = ("--workers", "4", "--stages", "4")
+    (tmp_path / "base").mkdir()
+    baseline = Baseline(tmp_path / "base", config, topology)  # alongside the cluster run
+    try:
+        _two_by_two(netns_cluster, tmp_path, config, topology, baseline)
+    finally:
+        baseline.stop()
+
+
+def _two_by_two(
+    netns_cluster: Any,
+    tmp_path: Path,
+    config: dict[str, Any],
+    topology: tuple[str, ...],
+    baseline: Baseline,
+) -> None:
+    cfg = write_config(tmp_path / "c.json", config)
+    coordinator_host, *hosts = netns_cluster(3)
+    out = tmp_path / "out"
+    coordinator, err, join = _coordinator(coordinator_host, cfg, out, topology)
+    agents = [
+        _agent(host, join, f"m{i}", out, *_token(out), slots=2)
+        for i, host in enumerate(hosts, start=1)
+    ]
+    _wait_for(err, r"spotline: step \d+/", [coordinator], 600)
+    _kill_machine(hosts[1])  # m2: its agent and both its workers
+    assert coordinator.wait(timeout=600) == 0, err.read_text()[-3000:]
+    summary = read_summary(out)
+    expected = baseline.result()
+    assert summary["param_sha256"] == expected["param_sha256"]
+    assert summary["losses"] == expected["losses"]
+    assert summary["checkpoint_fallbacks"] == 0  # in memory, not from disk
+    assert summary["preemptions"] == 2 and summary["recoveries"] == 1
+    # The first plan (two machines) exposed no stage; only the one after the loss did, on
+    # the one machine left, where it cannot be helped, and the summary says so.
+    assert summary["exposed_generations"] == 1
+    assert summary["exposed_stages"] == [{"stage": s, "machine": "m1"} for s in range(4)]
+    assert agents[0].wait(timeout=120) == 0, agents[0].communicate()[1]

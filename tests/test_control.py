@@ -56,10 +56,18 @@ class Loop:
     def stop_keys(self, generation: int) -> None:
         pass
 
+    def poll_workers(self) -> list[str]:
+        return []
+
 
 class NoExits:
+    """Workers that never exit, each on its own machine."""
+
     def poll(self) -> list[str]:
         return []
+
+    def machine_of(self, wid: str) -> str:
+        return f"machine-of-{wid}"
 
 
 def _planner(cfg: RunConfig, tmp_path: Path) -> tuple[Planner, DictStore, RunMetrics]:

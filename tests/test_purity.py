@@ -17,6 +17,7 @@ PURE = (
         "spotline.protocol",
         "spotline.checkpoint_manifest",
         "spotline.net",
+        "spotline.auth",
     ]
     + [f"spotline.plan.{m.name}" for m in pkgutil.iter_modules(spotline.plan.__path__)]
     + [f"spotline.sim.{m.name}" for m in pkgutil.iter_modules(spotline.sim.__path__)]

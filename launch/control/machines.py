@@ -1,8 +1,10 @@
 """The coordinator's side of the agents: the machines that joined, and their workers as
 process handles.
 
-:class:`Machines` reads the machines the agents registered (``machine/<n>``), tells whether
-an agent still heartbeats, and sends orders (:class:`~spotline.protocol.Order`). A worker
+:class:`Machines` admits the machines the agents registered (``machine/<n>``, sealed with the
+job token; one that is not is refused, ``admit/<n>`` says why), tells whether an agent still
+heartbeats, fences a machine declared lost (``fenced/<m>``) and sends orders
+(:class:`~spotline.protocol.Order`). A worker
 started on a machine is an :class:`AgentProcess`: the part of ``subprocess.Popen``'s
 interface the supervisor uses (``poll``, ``wait``, ``send_signal``, ``kill``), answered
 through the store (its agent writes ``exit/<w>``), so the supervisor treats a worker on
@@ -11,25 +13,37 @@ another machine as it treats one it forked itself.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
+from spotline.auth import AuthStore, is_sealed, unsealed_payload
 from spotline.protocol import (
     JOB_END_KEY,
+    MACHINES_COUNTER,
+    Admission,
     MachineInfo,
     Order,
     Signal,
-    Store,
+    admit_key,
     agent_heartbeat_key,
+    agent_leaving_key,
     exit_key,
+    fenced_key,
     machine_key,
     order_counter_key,
     order_key,
 )
 
 POLL_S = 0.02
+# Registrations read ahead of the first undecided one: a counter bumped by someone without
+# the token (a number cannot be sealed) must not make each refresh scan without end.
+SCAN_AHEAD = 64
+NO_TOKEN = "no job token"
+WRONG_TOKEN = "a wrong job token"
 SIGNAL_NAMES: dict[int, Signal] = {signal.SIGKILL: "kill", signal.SIGTERM: "term"}
 
 
@@ -70,20 +84,64 @@ class AgentProcess:
 class Machines:
     """The machines whose agents joined the job, in join order."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: AuthStore, on_refused: Callable[[str], None] | None = None) -> None:
         self.store = store
+        self.on_refused = on_refused
         self.joined: dict[str, MachineInfo] = {}
-        self._read = 0  # machine/<n> read so far
+        self.lost: set[str] = set()  # declared lost and fenced: never placed again
+        self._decided: set[int] = set()  # machine/<n> admitted or refused
+        self._low = 1  # the first n not decided
 
     def refresh(self) -> list[MachineInfo]:
-        """Read the machines that joined since the last call; returns them."""
+        """Admit (or refuse) the machines that registered since the last call; returns the
+        admitted ones."""
         new = []
-        while self.store.check([machine_key(self._read + 1)]):
-            self._read += 1
-            info = MachineInfo.decode(self.store.get(machine_key(self._read)))
-            self.joined[info.name] = info
-            new.append(info)
+        total = self.store.add(MACHINES_COUNTER, 0)
+        for n in range(self._low, min(total, self._low + SCAN_AHEAD) + 1):
+            if n in self._decided or not self.store.inner.check([machine_key(n)]):
+                continue  # decided, or between the agent's add and its set
+            self._decided.add(n)
+            info = self._admit(n, self.store.inner.get(machine_key(n)))
+            if info is not None:
+                new.append(info)
+        while self._low in self._decided:
+            self._low += 1
         return new
+
+    def _admit(self, n: int, raw: bytes) -> MachineInfo | None:
+        payload = self.store.token.open(machine_key(n), raw)
+        if payload is None:
+            reason = WRONG_TOKEN if is_sealed(raw) else NO_TOKEN
+            self.store.set(admit_key(n), Admission(refused=reason).encode())
+            if self.on_refused is not None:
+                self.on_refused(f"machine {_claimed_name(raw)} (registration {n}): {reason}")
+            return None
+        info = MachineInfo.decode(payload)
+        # A name already taken (a machine lost earlier that came back, a second agent with
+        # the same host name) joins as a new machine: nothing addressed to the old one
+        # (its orders, its fence) applies to it.
+        name, k = info.name, 1
+        while name in self.joined:
+            k += 1
+            name = f"{info.name}#{k}"
+        info = replace(info, name=name)
+        self.joined[name] = info
+        self.store.set(admit_key(n), Admission(machine=name).encode())
+        return info
+
+    def placeable(self) -> list[str]:
+        """Machines a worker may be started on: joined, not lost, not leaving."""
+        return [
+            m
+            for m in self.joined
+            if m not in self.lost and not self.store.check([agent_leaving_key(m)])
+        ]
+
+    def fence(self, machine: str) -> None:
+        """``machine`` is lost: nothing it writes is acted on, and its agent, should it come
+        back, stops its workers and exits."""
+        self.lost.add(machine)
+        self.store.set(fenced_key(machine), "1")
 
     def last_heartbeat(self, machine: str) -> float | None:
         """The agent's last heartbeat (``time.time()``), None if it never beat."""
@@ -99,9 +157,18 @@ class Machines:
 
     def start(self, machine: str, worker: str, module: str, argv: list[str]) -> AgentProcess:
         """Order ``machine``'s agent to start ``worker`` (``python -m module *argv``)."""
+        assert machine not in self.lost, f"{machine} is fenced"
         self.order(machine, Order.start(worker, module, tuple(argv)))
         return AgentProcess(worker, machine, self)
 
     def end_job(self) -> None:
         """Every agent exits once its workers have."""
         self.store.set(JOB_END_KEY, "1")
+
+
+def _claimed_name(raw: bytes) -> str:
+    """The name an unauthenticated registration claims, for the coordinator's log only."""
+    try:
+        return repr(str(json.loads(unsealed_payload(raw))["name"])[:40])
+    except (ValueError, KeyError, TypeError):
+        return "(unreadable)"

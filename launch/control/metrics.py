@@ -24,6 +24,7 @@ from typing import Any
 
 from spotline.config import RunConfig
 from spotline.plan.layout import Layout
+from spotline.plan.placement import Exposure
 from spotline.protocol import (
     FINAL_HASH_KEY,
     CheckpointWriteError,
@@ -82,6 +83,10 @@ class RunMetrics:
         self.recovery_events: list[dict[str, Any]] = []
         self.reconfigurations: list[dict[str, Any]] = []  # generation changes without a failure
         self.placements: list[dict[str, Any]] = []  # per generation: pipelines' logical workers
+        # The last plan's stages whose every copy is on one machine (whose loss would send
+        # the run back to a checkpoint), and how many generations had any.
+        self.exposed: tuple[Exposure, ...] = ()
+        self.exposed_generations = 0
         self.losses: dict[int, float] = {}
         self.learning_rates: dict[int, float] = {}
         self.step_times: dict[int, float] = {}
@@ -96,6 +101,21 @@ class RunMetrics:
     # -- time and events --------------------------------------------------------------
     def now(self) -> float:
         return time.monotonic() - self.t0
+
+    def note_exposure(
+        self, generation: int, exposed: tuple[Exposure, ...], *, machines: int
+    ) -> None:
+        """A plan's exposure (``spotline.plan.placement.exposures``) on ``machines`` machines;
+        an event when it changes on two or more (on one, every stage is, by necessity)."""
+        if exposed:
+            self.exposed_generations += 1
+        if exposed != self.exposed and machines >= 2:
+            self.event(
+                "exposure",
+                generation=generation,
+                stages=[{"stage": e.stage, "machine": e.machine} for e in exposed],
+            )
+        self.exposed = exposed
 
     def event(self, kind: str, **detail: Any) -> None:
         """Record an event (events list, timeline row) and print it on stderr."""
@@ -254,6 +274,10 @@ class RunMetrics:
             # Which physical pipeline (its workers) ran which logical pipelines, per generation,
             # and the moves the workers made as they measured speeds (step, per pipeline).
             "logical_placements": self.placements,
+            # One machine's loss survived in memory needs no stage with every copy on it:
+            # impossible on one machine, avoided by the planner on two or more.
+            "exposed_stages": [{"stage": e.stage, "machine": e.machine} for e in self.exposed],
+            "exposed_generations": self.exposed_generations,
             "logical_rebalances": [
                 json.loads(text)
                 for text in sorted(

@@ -41,6 +41,9 @@ from spotline.plan.layout import (
     plan_generation,
 )
 from spotline.plan.logical import assign_logical_workers, worth_moving
+from spotline.plan.placement import (
+    exposures,
+)
 from spotline.plan.policies import CheckpointRestart, Failover, RecoveryMode
 from spotline.protocol import Plan, PlanAction, Store, entry_key, plan_key, report_key
 
@@ -63,6 +66,12 @@ class Conductor(Protocol):
 
     def wait_for_joiners(self) -> list[str]:
         """Block until a started worker has joined (or raise: none can come)."""
+        ...
+
+    def poll_workers(self) -> list[str]:
+        """The workers that exited or whose machine was lost since the last call, each
+        handled (a member's loss aborts its generation's collectives and starts the
+        recovery clock)."""
         ...
 
     def stop_keys(self, generation: int) -> None:
@@ -104,6 +113,10 @@ class Planner:
     def publish(self, generation: int, plan: Plan) -> None:
         if plan.action != "finish":
             self.conductor.stop_keys(generation)  # a stop chosen earlier holds for this one too
+        if plan.layout is not None:
+            on = {w: self.supervisor.machine_of(w) for w in plan.layout.members}
+            exposed = exposures(plan.layout, on)
+            self.metrics.note_exposure(generation, exposed, machines=len(set(on.values())))
         self.store.set(plan_key(generation), plan.encode())
 
     def plan(
@@ -219,13 +232,14 @@ class Planner:
             resume=result.resume_step,
         )
         generation_end_t = self.conductor.generation_end_t
+        # This change's clock is read now: a loss while it is awaited starts the next one's.
+        started = self.metrics.pending_failure_t or self.metrics.now()
+        self.metrics.pending_failure_t = None
         if failure:
             self.metrics.recoveries += 1
-            started = self.metrics.pending_failure_t or self.metrics.now()
             self._await_recovered(g, started)
         elif generation_end_t is not None:
             self._await_recovered(g, max(ready_t, generation_end_t), failure=False)
-        self.metrics.pending_failure_t = None
 
     def _include_all(self, reports: list[WorkerReport], generation: int) -> None:
         for r in reports:
@@ -241,8 +255,9 @@ class Planner:
         target = self.resume_step + 1
         deadline = time.monotonic() + RECOVERY_WAIT_S
         while time.monotonic() < deadline:
-            died = self.supervisor.poll()
-            if died:
+            # A loss now (a machine gone silent while the generation sets up) is handled at
+            # once, as while it trains: its peers must not wait on it.
+            if self.conductor.poll_workers():
                 break
             if self.conductor.max_progress() >= target or all(
                 self.store.check([report_key(g, w)]) for w in self.members()

@@ -17,17 +17,19 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from spotline.auth import AuthStore
 from spotline.launch.control.machines import AgentProcess, Machines
 from spotline.launch.control.metrics import RunMetrics
-from spotline.protocol import Store, error_key, heartbeat_key, joined_key
+from spotline.protocol import error_key, heartbeat_key, joined_key
 
 Fate = Literal["running", "killed", "terminated", "left", "exited", "crashed", "restarted"]
 SHUTDOWN_WAIT_S = 30
-# A worker's missed heartbeat is its own hang only while its agent still beats (every 10 ms):
+# A worker's missed heartbeat is its own hang only while its agent still beats (every 0.1 s):
 # an agent quiet this long means the whole machine is going, which lost_machines() decides.
 AGENT_QUIET_S = 1.0
 WORKER_MODULE = "spotline.launch.elastic_worker"  # run as ``python -m WORKER_MODULE``
@@ -55,13 +57,14 @@ class Supervisor:
 
     def __init__(
         self,
-        store: Store,
+        store: AuthStore,
         metrics: RunMetrics,
         *,
         config_path: Path,
         output: Path,
         store_arg: str,
         env: dict[str, str],
+        on_refused: Callable[[str], None] | None = None,
     ) -> None:
         self.store = store
         self.metrics = metrics
@@ -71,12 +74,13 @@ class Supervisor:
         self.env = env
         self.workers: dict[str, WorkerProc] = {}
         self.next_index = 0  # also the number of workers ever started
-        self.machines = Machines(store)
+        self.machines = Machines(store, on_refused)
         # Per machine: its agent's last heartbeat value, and when this process saw it change.
         self._agent_seen: dict[str, tuple[float | None, float]] = {}
 
-    def spawn(self, *, warm: bool = False) -> str:
-        """Start a worker process; returns its id."""
+    def spawn(self, *, warm: bool = False, machine: str | None = None) -> str:
+        """Start a worker process (on ``machine``, or where :meth:`_place` puts it); returns
+        its id."""
         wid = f"w{self.next_index}"
         self.next_index += 1
         logs = self.output / "logs"
@@ -91,7 +95,7 @@ class Supervisor:
             "--store",
             self.store_arg,
         ]
-        proc = self.machines.start(self._place(), wid, WORKER_MODULE, argv)
+        proc = self.machines.start(machine or self._place(), wid, WORKER_MODULE, argv)
         self.workers[wid] = WorkerProc(wid, proc, self.metrics.now(), warm=warm)
         return wid
 
@@ -100,13 +104,19 @@ class Supervisor:
         slot taken, the one with the most slots takes one more (one machine's
         ``spotline train`` starts warm and arriving workers beyond ``--workers``)."""
         self.machines.refresh()
-        assert self.machines.joined, "a worker is started only once a machine has joined"
-        on: dict[str, int] = {m: 0 for m in self.machines.joined}
-        for p in self.workers.values():
-            if p.alive:
-                on[p.proc.machine] += 1
+        free = self.free_slots()
+        assert free, "a worker is started only once a machine has joined"
         info = self.machines.joined
-        return max(on, key=lambda m: (info[m].slots - on[m], info[m].slots))
+        return max(free, key=lambda m: (free[m], info[m].slots))
+
+    def free_slots(self) -> dict[str, int]:
+        """Per placeable machine (joined, not lost, not leaving): its slots less its live
+        workers (negative where ``spotline train`` runs more workers than slots)."""
+        free = {m: self.machines.joined[m].slots for m in self.machines.placeable()}
+        for p in self.workers.values():
+            if p.alive and p.proc.machine in free:
+                free[p.proc.machine] -= 1
+        return free
 
     def machine_of(self, wid: str) -> str:
         """The machine worker ``wid`` runs on (the planner's placement keeps a stage and its
@@ -154,12 +164,15 @@ class Supervisor:
         self.workers[wid].fate = fate
 
     def lost_machines(self, limit_s: float) -> list[str]:
-        """Machines with live workers whose agent's heartbeat has not changed for
-        ``limit_s`` seconds of this process's clock (the agents' clocks are never compared
-        with it): killed outright, or silently cut off."""
+        """Machines with live workers, or that workers may be started on, whose agent's
+        heartbeat has not changed for ``limit_s`` seconds of this process's clock (the
+        agents' clocks are never compared with it): killed outright, or silently cut off."""
         now = time.monotonic()
         lost = []
-        for m in {p.proc.machine for p in self.workers.values() if p.alive}:
+        # Those with workers, and those a worker may be started on (an idle machine whose
+        # agent died must not be given one).
+        watched = {p.proc.machine for p in self.workers.values() if p.alive}
+        for m in sorted(watched | set(self.machines.placeable())):
             beat = self.machines.last_heartbeat(m)
             seen = self._agent_seen.get(m)
             if seen is None or seen[0] != beat:
@@ -179,6 +192,7 @@ class Supervisor:
         reported."""
         died = []
         for m in self.lost_machines(machine_timeout_s) if machine_timeout_s else []:
+            self.machines.fence(m)
             self.metrics.event("machine-lost", machine=m)
             for w, p in self.workers.items():
                 if p.alive and p.proc.machine == m:
@@ -211,6 +225,8 @@ class Supervisor:
         """SIGKILL a live worker whose last heartbeat is older than ``limit_s`` (hung)."""
         now = time.time()
         for w in self.live_ids():
+            if self.workers[w].fate == "killed":
+                continue  # killed already: its agent reports the exit
             if self.silent_s(self.workers[w].proc.machine) > AGENT_QUIET_S:
                 continue  # its whole machine is going quiet: lost_machines() decides
             key = heartbeat_key(w)

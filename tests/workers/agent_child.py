@@ -12,7 +12,8 @@ import sys
 import time
 
 print(
-    f"pid {os.getpid()} machine {os.environ.get('SPOTLINE_MACHINE')} argv {sys.argv[1:]}",
+    f"pid {os.getpid()} machine {os.environ.get('SPOTLINE_MACHINE')} argv {sys.argv[1:]} "
+    f"token {os.environ.get('SPOTLINE_JOB_TOKEN')}",
     flush=True,
 )
 mode = sys.argv[1]
