@@ -395,11 +395,12 @@ def host_store(
     etcd_endpoint: str | None,
     timeout: timedelta = DEFAULT_TIMEOUT,
     listen: tuple[str, int] = ("127.0.0.1", 0),
+    etcd_prefix: str | None = None,
 ) -> tuple[dist.Store, StoreSpec]:
     """The coordinator's store and the spec workers connect with (``connect_store``).
 
     "tcp": a master TCPStore listening on ``listen`` only (default: 127.0.0.1 and a port the
-    OS picks). "etcd": a store under a
+    OS picks). "etcd": a store under ``etcd_prefix`` (a restarted coordinator's job) or a
     fresh prefix ``spotline/job-<hex>`` on the etcd at ``etcd_endpoint`` (HOST:PORT).
     """
     if backend == "tcp":
@@ -423,7 +424,7 @@ def host_store(
         if etcd_endpoint is None:
             raise UserError("the etcd store backend needs an etcd endpoint (HOST:PORT)")
         host, port = _split_endpoint(etcd_endpoint)
-        spec = StoreSpec("etcd", host, port, f"spotline/job-{uuid.uuid4().hex}")
+        spec = StoreSpec("etcd", host, port, etcd_prefix or f"spotline/job-{uuid.uuid4().hex}")
         return _etcd_store(spec, timeout), spec
     raise UserError(f"store backend {backend!r} is not one of {BACKENDS}")
 

@@ -27,12 +27,13 @@ boundary that has a checkpoint (``Stopped``); the second one is the caller's to 
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotline.auth import AuthStore, job_token
 from spotline.checkpoint_manifest import read_metadata
@@ -44,16 +45,23 @@ from spotline.launch.control.recovery import POLICIES, POLL_S, Planner
 from spotline.launch.control.supervisor import JobError, Supervisor, child_environment
 from spotline.plan.layout import Layout, WorkerReport, initial_layout
 from spotline.protocol import (
+    JOB_END_KEY,
     Plan,
     Report,
     abort_key,
     entry_key,
     leaving_key,
+    loss_key,
+    lr_key,
+    plan_key,
     progress_key,
     report_key,
     stop_checkpoint_key,
     stop_key,
 )
+
+if TYPE_CHECKING:
+    from spotline.stores import StoreSpec
 
 __all__ = [
     "Coordinator",
@@ -109,6 +117,9 @@ class Coordinator:
         from spotline.stores import host_store
 
         rec = self.sl.recovery
+        # A coordinator restarted with the same --output over etcd takes its predecessor's
+        # job over (the store outlived it; the workers trained on meanwhile).
+        previous = read_job_file(output) if listen is not None and rec.store == "etcd" else None
         self.token = job_token(output, token_file)
         self.token_path = Path(token_file) if token_file else output / "job-token"
         raw_store, self.store_spec = host_store(
@@ -116,7 +127,10 @@ class Coordinator:
             etcd_endpoint=rec.etcd_endpoint,
             timeout=timedelta(seconds=60),
             listen=listen or ("127.0.0.1", 0),
+            etcd_prefix=previous.prefix if previous is not None else None,
         )
+        if self.store_spec.backend == "etcd":
+            write_job_file(output, self.store_spec)
         # Every value read is checked against the job token: one written without it is as
         # if never written (and told once, as a "forged" event).
         self.forged: set[str] = set()
@@ -299,9 +313,45 @@ class Coordinator:
         )
 
     # -- the run ------------------------------------------------------------------------
+    def _adoptable(self) -> bool:
+        """Whether this store holds a job a predecessor started and did not end."""
+        return self.store.check([plan_key(0)]) and not self.store.check([JOB_END_KEY])
+
+    def _adopt(self) -> None:
+        """Take the running job over from the store: the machines admitted, the workers
+        started, the generation running and its plan, the losses so far. The generation loop
+        then goes on from there: the workers never stopped."""
+        store, planner = self.store, self.planner
+        self.supervisor.adopt()
+        g = 0
+        while store.check([plan_key(g + 1)]):
+            g += 1
+        plan = Plan.decode(store.get(plan_key(g)))
+        if plan.action == "finish":  # it died as the job ended: end it again
+            g, plan = g - 1, Plan.decode(store.get(plan_key(g - 1)))
+        self.generation = g
+        planner.layout, planner.resume_step = plan.layout, plan.resume_step
+        planner.included.update(w for w in self.supervisor.workers if store.check([entry_key(w)]))
+        for step in range(1, self.sl.training.steps + 1):
+            if store.check([loss_key(step)]):
+                self.metrics.losses[step] = float(store.get(loss_key(step)).decode())
+                self.metrics.learning_rates[step] = float(store.get(lr_key(step)).decode())
+        self.metrics.event(
+            "adopted",
+            generation=g,
+            step=self.max_progress(),
+            workers=len(self.supervisor.live_ids()),
+            machines=len(self.supervisor.machines.joined),
+        )
+
     def run(self) -> dict[str, Any]:
+        if self.cluster and self._adoptable():
+            self._adopt()
+            return self._run_generations(time.monotonic())
         S, P = self.cfg.num_stages, self.cfg.num_pipelines
         ids = []
+        # Machines that joined a predecessor that never started training are kept.
+        self.supervisor.machines.adopt()
         if self.cluster:
             self._wait_for_machines(slots=self.faults.initial_workers())
         else:
@@ -328,7 +378,10 @@ class Coordinator:
                 planner.plan("restore", planner.layout, step, holders, [], checkpoint_step=step),
             )
         self.metrics.event("start", workers=len(ids), step=planner.resume_step)
-        t_start = time.monotonic()
+        return self._run_generations(time.monotonic())
+
+    def _run_generations(self, t_start: float) -> dict[str, Any]:
+        """Generations until the job is done (or stopped); its summary."""
         while True:
             outcome = self._run_generation()
             if outcome in ("done", "stopped"):
@@ -402,12 +455,17 @@ class Coordinator:
                 print(
                     f"spotline: {len(machines.joined)} machine(s) joined with {have} of the "
                     f"{slots} slots the run starts with; join more with `spotline agent "
-                    f"--join {self.store_spec.host}:{self.store_spec.port} --slots K "
+                    f"--join {self._join_arg()} --slots K "
                     f"--token-file {self.token_path}` (a copy of that file on each machine)",
                     file=sys.stderr,
                     flush=True,
                 )
             time.sleep(0.05)
+
+    def _join_arg(self) -> str:
+        """What agents pass to ``--join``: the coordinator's address, or the etcd job."""
+        spec = self.store_spec
+        return f"{spec.host}:{spec.port}" if spec.backend == "tcp" else spec.to_arg()
 
     def _end_agents(self) -> None:
         """The job is over: every agent exits once its workers have."""
@@ -678,9 +736,12 @@ class Coordinator:
             from spotline.stores import delete_etcd_prefix
 
             delete_etcd_prefix(self.store_spec)
+        (self.output / JOB_FILE).unlink(missing_ok=True)  # nothing left to take over
 
     def shutdown(self) -> None:
-        """Stop every worker (Ctrl-C or a coordinator error): nothing is left running."""
+        """Stop every worker (Ctrl-C or a coordinator error): nothing is left running, and
+        nothing for a restarted coordinator to take over."""
+        (self.output / JOB_FILE).unlink(missing_ok=True)
         self.supervisor.shutdown()
         try:
             self._end_agents()
@@ -693,6 +754,26 @@ class Coordinator:
     def log_to_wandb(self, summary: dict[str, Any]) -> None:
         """Per-step losses and the recovery events, to wandb (offline unless configured)."""
         self.metrics.log_to_wandb(summary, self.output)
+
+
+JOB_FILE = "job.json"  # the running job's store, for a restarted coordinator
+
+
+def write_job_file(output: Path, spec: StoreSpec) -> None:
+    from spotline.tracking import write_json_atomic
+
+    write_json_atomic(output / JOB_FILE, {"store": spec.to_arg()})
+
+
+def read_job_file(output: Path) -> StoreSpec | None:
+    """The etcd job a coordinator with this ``--output`` ran and did not end (None: none)."""
+    from spotline.stores import parse_store_arg
+
+    path = output / JOB_FILE
+    if not path.exists():
+        return None
+    spec = parse_store_arg(json.loads(path.read_text())["store"])
+    return spec if spec.backend == "etcd" else None
 
 
 def no_progress_message(limit_s: float, preempted: int, started: int, *, clock: str) -> str:

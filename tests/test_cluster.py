@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,8 @@ from typing import Any
 import pytest
 from conftest import REPO, child_env, read_summary, small_config, write_config
 from netns import Machine
+
+from spotline.stores import ETCD_BINARY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -310,3 +313,70 @@ def _two_by_two(
     assert summary["exposed_generations"] == 1
     assert summary["exposed_stages"] == [{"stage": s, "machine": "m1"} for s in range(4)]
     assert agents[0].wait(timeout=120) == 0, agents[0].communicate()[1]
+
+
+def _etcd(host: Machine, data: Path) -> str:
+    """A one-member etcd on ``host`` (its own machine, as a user's would be); its endpoint."""
+    etcd = shutil.which(ETCD_BINARY)
+    if etcd is None:
+        pytest.skip(f"{ETCD_BINARY} is absent: apt-get install -y etcd-server")
+    client = f"http://{host.address}:2379"
+    peer = "http://127.0.0.1:2380"  # its own loopback: nobody else's
+    host.popen(
+        [etcd, "--name=e", f"--data-dir={data}", f"--listen-client-urls={client}"]
+        + [f"--advertise-client-urls={client}", f"--listen-peer-urls={peer}"]
+        + [f"--initial-advertise-peer-urls={peer}", f"--initial-cluster=e={peer}"]
+        + ["--log-level=warn", "--logger=zap"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return f"{host.address}:2379"
+
+
+def test_the_coordinator_killed_and_restarted_over_etcd_takes_the_running_job_over(
+    netns_cluster, baseline, tmp_path: Path
+) -> None:
+    """etcd on its own machine, the coordinator on another, 4 machines x 1 slot. The
+    coordinator is SIGKILLed mid-run: the workers train on without it (they need it only at
+    a generation change); started again with the same --output it takes the running
+    generation over, and the job ends with the undisturbed run's hash and losses."""
+    cfg = write_config(tmp_path / "c.json", CONFIG)
+    etcd_host, coordinator_host, *hosts = netns_cluster(6)
+    endpoint = _etcd(etcd_host, tmp_path / "etcd")
+    out = tmp_path / "out"
+    argv = [sys.executable, "-m", "spotline.launch.cli", "coordinator", "--config", str(cfg)]
+    argv += [*TOPOLOGY, "--output", str(out), "--listen", f"{coordinator_host.address}:0"]
+    argv += ["--store", "etcd", "--etcd-endpoint", endpoint]
+
+    def start(err: Path) -> subprocess.Popen[str]:
+        with open(err, "w") as err_file:
+            return coordinator_host.popen(
+                argv,
+                cwd=REPO,
+                env=child_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=err_file,
+                text=True,
+            )
+
+    first_err, second_err = tmp_path / "first.err", tmp_path / "second.err"
+    first = start(first_err)
+    join = _wait_for(first_err, r"--join etcd://\S+", [first], 300).split()[1]
+    agents = [_agent(host, join, f"m{i}", out, *_token(out)) for i, host in enumerate(hosts, 1)]
+    killed_at = int(_wait_for(first_err, r"spotline: step \d+", [first], 600).split()[-1])
+    first.kill()
+    first.wait()
+    second = start(second_err)
+    assert second.wait(timeout=600) == 0, second_err.read_text()[-3000:]
+    summary = read_summary(out)
+    expected = baseline.result()
+    assert summary["param_sha256"] == expected["param_sha256"]
+    assert summary["losses"] == expected["losses"]
+    (adopted,) = [e for e in summary["events"] if e["kind"] == "adopted"]
+    # The workers trained on while no coordinator ran, in the generation it had started.
+    assert adopted["generation"] == 0 and adopted["step"] > killed_at
+    assert adopted["workers"] == 4 and adopted["machines"] == 4
+    assert summary["recoveries"] == 0 and summary["preemptions"] == 0
+    for agent in agents:
+        assert agent.wait(timeout=120) == 0, agent.communicate()[1]
+    assert not (out / "job.json").exists()  # nothing left for a third one to take over

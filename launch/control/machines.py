@@ -129,6 +129,35 @@ class Machines:
         self.store.set(admit_key(n), Admission(machine=name).encode())
         return info
 
+    def adopt(self) -> None:
+        """A restarted coordinator's view: the machines its predecessor admitted (their
+        ``admit/<n>``) and fenced, read back from the store; registrations it never
+        answered are answered by the next :meth:`refresh`."""
+        total = self.store.add(MACHINES_COUNTER, 0)
+        for n in range(1, total + 1):
+            if not self.store.check([admit_key(n)]):
+                continue
+            self._decided.add(n)
+            answer = Admission.decode(self.store.get(admit_key(n)))
+            if answer.machine is None:
+                continue
+            payload = self.store.get(machine_key(n))  # it was admitted: sealed
+            self.joined[answer.machine] = replace(MachineInfo.decode(payload), name=answer.machine)
+            if self.store.check([fenced_key(answer.machine)]):
+                self.lost.add(answer.machine)
+        while self._low in self._decided:
+            self._low += 1
+
+    def started_workers(self, machine: str) -> list[str]:
+        """The workers ordered to start on ``machine``, in order (read back from its orders)."""
+        started = []
+        for n in range(1, self.store.add(order_counter_key(machine), 0) + 1):
+            if self.store.check([order_key(machine, n)]):
+                order = Order.decode(self.store.get(order_key(machine, n)))
+                if order.kind == "start":
+                    started.append(order.worker)
+        return started
+
     def placeable(self) -> list[str]:
         """Machines a worker may be started on: joined, not lost, not leaving."""
         return [

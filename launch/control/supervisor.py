@@ -109,6 +109,24 @@ class Supervisor:
         info = self.machines.joined
         return max(free, key=lambda m: (free[m], info[m].slots))
 
+    def adopt(self) -> None:
+        """A restarted coordinator takes over its predecessor's workers: every worker
+        ordered on a machine, alive unless its agent reported its exit or its machine was
+        fenced (those are past: no event, no preemption counted again)."""
+        self.machines.adopt()
+        for machine in self.machines.joined:
+            for wid in self.machines.started_workers(machine):
+                proc = AgentProcess(wid, machine, self.machines)
+                gone = proc.poll() is not None or machine in self.machines.lost
+                self.workers[wid] = WorkerProc(
+                    wid,
+                    proc,
+                    self.metrics.now(),
+                    alive=not gone,
+                    fate="exited" if gone else "running",
+                )
+                self.next_index = max(self.next_index, int(wid.lstrip("w")) + 1)
+
     def free_slots(self) -> dict[str, int]:
         """Per placeable machine (joined, not lost, not leaving): its slots less its live
         workers (negative where ``spotline train`` runs more workers than slots)."""
