@@ -138,6 +138,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     from spotline.launch.coordinator import Coordinator, child_environment
 
+    # Before torch loads (the store): c10d's warnings come with a C++ stack, and a store
+    # server on a machine without reverse DNS warns at every connection.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     env = child_environment()
     env["OMP_NUM_THREADS"] = str(cfg.spotline.determinism.intra_op_threads)
     try:

@@ -639,8 +639,9 @@ class Coordinator:
                 and self.metrics.now() - first_report_t > self.sl.recovery.collective_timeout_s + 5
             ):
                 for w in waiting_on:  # hung: its peers reported long ago
-                    self.metrics.event("unresponsive", worker=w)
-                    sup.kill(w, "killed")
+                    if sup[w].fate != "killed":  # told once; its agent reports the exit
+                        self.metrics.event("unresponsive", worker=w)
+                        sup.kill(w, "killed")
             time.sleep(POLL_S)
         self.generation_end_t = first_report_t
         return reports
