@@ -53,3 +53,23 @@ def test_typing_folder_links_every_module_of_the_package() -> None:
     for name in expected:
         target = (repo / "integration" / name) if name not in ("launch", "patches") else repo / name
         assert (mirror / name).resolve() == target.resolve(), name
+
+
+def test_the_control_plane_modules_import_no_torch() -> None:
+    """The coordinator's parts and the agent load torch only when they open the job's store
+    (torch.distributed's); importing them loads none of torch, DeepSpeed, transformers."""
+    import spotline.launch.control
+
+    modules = ["spotline.launch.coordinator", "spotline.launch.agent"] + [
+        f"spotline.launch.control.{m.name}"
+        for m in pkgutil.iter_modules(spotline.launch.control.__path__)
+    ]
+    assert "spotline.launch.control.recovery" in modules
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'deepspeed', 'transformers'))\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
