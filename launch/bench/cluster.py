@@ -329,8 +329,8 @@ def bench_cluster(
             kill_after=kill_after,
         )
         progress(
-            f"cluster {variant}: loss to commit {result['loss_to_commit_s']:.2f} s "
-            f"(coordinator's recovery {result['coordinator_recovery_s']})"
+            f"cluster {variant}: loss to commit {result['loss_to_commit_s']:.2f} s, to "
+            f"detection {_s(result['loss_to_detect_s'])} s"
         )
         runs[variant].append(result)
     progress(f"cluster transfer: {transfer_mib} MiB x {transfer_repeats}, gloo and tcp")
@@ -416,6 +416,11 @@ def build_report(
             "gloo_mib_per_s": rates["gloo"],
             "tcp_mib_per_s": rates["tcp"],
             "gloo_over_tcp": rates["gloo"] / rates["tcp"],
+        },
+        # Every run's figures (its per-step losses left out), in the order they ran per variant.
+        "runs": {
+            name: [{k: v for k, v in r.items() if k != "losses"} for r in results]
+            for name, results in runs.items()
         },
         "hashes_agree": len({h for r in rows.values() for h in r["param_sha256"]}) == 1,
         "machine": machine_info(),
