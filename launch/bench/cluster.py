@@ -300,8 +300,12 @@ def bench_cluster(
 ) -> dict[str, Any]:
     """Part 1 (the three losses, interleaved per round) and part 2 (the transfer rates)."""
     check_args(settings.steps, kill_after, victim, transfer_mib, transfer_repeats)
-    if os.geteuid() != 0:
-        raise UserError("bench cluster: the namespace machines need root (run it as root)")
+    from spotline.launch.bench import netns
+
+    try:
+        netns.check_possible()  # before any run: root and `ip`
+    except netns.NetnsUnavailable as exc:
+        raise UserError(f"bench cluster: {exc}") from None
     overrides: dict[str, Any] = {
         "spotline.topology.workers": WORKERS,
         "spotline.topology.stages": STAGES,
