@@ -1,189 +1,42 @@
-"""A cluster of machines on one machine: Linux network namespaces on a private bridge.
+"""The pytest side of the namespace cluster (its core is spotline.launch.bench.netns, which
+``spotline bench cluster`` uses too): ``cluster(n)`` that skips with the one reason line
+where namespaces cannot be made, and the ``netns_cluster`` fixture.
 
 ``with cluster(n) as machines:`` makes a bridge in the root namespace and ``n`` namespaces,
-each joined to it by a veth pair: one end inside as ``eth0`` with ``10.77.0.(i+1)/24``, the
-other end on the bridge. The range exists only inside those namespaces: the bridge itself has
-no address, so no traffic from them can leave this machine and the root namespace's routes
-are untouched. Two runs at once (other worktrees) do not collide: names carry the pid and a
-per-process counter, and each run's bridge is its own L2 segment.
-
-Teardown (always, also when the body raises or is interrupted) kills every process the
-machines started (their process groups, then anything still in the namespace), and deletes
-the namespaces, the veths and the bridge. At start, leftovers of a run whose process is gone
-(a killed earlier run) are swept. Where the kernel or permissions refuse, the test is skipped
-with one reason line.
+each joined to it by a veth pair (``eth0`` with ``10.77.0.(i+1)/24`` inside); teardown always
+kills every process the machines started and deletes everything it made.
 """
 
 from __future__ import annotations
 
-import itertools
-import os
-import re
-import shutil
-import signal
-import subprocess
-from collections.abc import Callable, Iterator, Sequence
+# Not used here: tests patch ``netns.os.geteuid`` (the os module itself, which the core reads).
+import os  # noqa: F401
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 
-# Every name this module makes starts with PREFIX, then the owner's pid in hex and a counter:
-# "sln" + 6 hex digits (pid_max is at most 2**22) + "c" + counter + role + index stays within
-# the kernel's 15-character limit on interface names (IFNAMSIZ - 1).
-PREFIX = "sln"
-_NAME = re.compile(rf"^{PREFIX}([0-9a-f]+)c\d+")
-_SUBNET = "10.77.0"
-_COUNTER = itertools.count()
-IFACE = "eth0"
-
-
-def _ip(
-    *args: str, netns: str | None = None, check: bool = True
-) -> subprocess.CompletedProcess[str]:
-    argv = ["ip", *(["-n", netns] if netns else []), *args]
-    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
-    if check and proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(argv)}: {proc.stderr.strip()}")
-    return proc
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def our_names() -> list[str]:
-    """Namespaces and links (root namespace) whose names start with PREFIX."""
-    names = [line.split()[0] for line in _ip("netns", "list").stdout.splitlines() if line.strip()]
-    for line in _ip("-o", "link", "show").stdout.splitlines():
-        # "12: slnab12c0v1@if11: <...>": the name, without the peer suffix.
-        names.append(line.split(":")[1].strip().split("@")[0])
-    return [n for n in names if n.startswith(PREFIX)]
-
-
-def sweep_leftovers() -> None:
-    """Remove namespaces and links of earlier runs whose owning process is gone."""
-    for name in our_names():
-        match = _NAME.match(name)
-        if match is None or _pid_alive(int(match.group(1), 16)):
-            continue
-        if name in _ip("netns", "list").stdout.split():
-            _kill_namespace_pids(name)
-            _ip("netns", "delete", name, check=False)
-        else:
-            _ip("link", "delete", name, check=False)
-
-
-def _kill_namespace_pids(netns: str) -> None:
-    pids = _ip("netns", "pids", netns, check=False).stdout.split()
-    for pid in pids:
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-@dataclass
-class Machine:
-    """One namespace: a machine with its own address on the cluster's bridge."""
-
-    name: str
-    address: str
-    iface: str
-    host_veth: str
-    tag: str  # the prefix of every name its cluster made
-    procs: list[subprocess.Popen[Any]] = field(default_factory=list)
-
-    def popen(self, argv: Sequence[str], **kw: Any) -> subprocess.Popen[Any]:
-        """Start ``argv`` inside this machine in its own session (process group): teardown
-        kills the whole group. ``ip netns exec`` execs the command, so the Popen's pid is
-        the command's own."""
-        kw.setdefault("start_new_session", True)
-        proc: subprocess.Popen[Any] = subprocess.Popen(
-            ["ip", "netns", "exec", self.name, *argv], **kw
-        )
-        self.procs.append(proc)
-        return proc
-
-    def link_down(self) -> None:
-        """Cut this machine off: its interface goes down, its processes keep running."""
-        _ip("link", "set", self.iface, "down", netns=self.name)
-
-    def link_up(self) -> None:
-        _ip("link", "set", self.iface, "up", netns=self.name)
-
-    def reap(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
-
-
-def _skip_unless_possible() -> None:
-    if shutil.which("ip") is None:
-        pytest.skip("network namespaces: the `ip` command (iproute2) is not installed")
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces: creating them needs root")
+from spotline.launch.bench.netns import (  # noqa: F401  (re-exported for the tests)
+    IFACE,
+    PREFIX,
+    Machine,
+    NetnsUnavailable,
+    our_names,
+    sweep_leftovers,
+)
+from spotline.launch.bench.netns import cluster as _cluster
 
 
 @contextmanager
 def cluster(n: int) -> Iterator[list[Machine]]:
-    """``n`` machines (namespaces) on one private bridge; everything removed on exit."""
-    assert 1 <= n <= 99, n
-    _skip_unless_possible()
-    sweep_leftovers()
-    tag = f"{PREFIX}{os.getpid():x}c{next(_COUNTER)}"
-    bridge = f"{tag}b"
-    assert len(f"{tag}v{n - 1}") <= 15, tag
-    machines: list[Machine] = []
-    made: list[tuple[str, str]] = []  # ("netns" | "link", name), in creation order
-    try:
-        proc = _ip("link", "add", bridge, "type", "bridge", check=False)
-        if proc.returncode != 0:
-            pytest.skip(f"network namespaces: cannot create a bridge: {proc.stderr.strip()}")
-        made.append(("link", bridge))
-        _ip("link", "set", bridge, "up")
-        for i in range(n):
-            machine = Machine(f"{tag}n{i}", f"{_SUBNET}.{i + 1}", IFACE, f"{tag}v{i}", tag)
-            proc = _ip("netns", "add", machine.name, check=False)
-            if proc.returncode != 0:
-                pytest.skip(f"network namespaces: `ip netns add` failed: {proc.stderr.strip()}")
-            made.append(("netns", machine.name))
-            machines.append(machine)
-            # The namespace end is created inside the namespace directly under its final name,
-            # so no temporary name ever appears in the root namespace.
-            proc = _ip("link", "add", machine.host_veth, "type", "veth", "peer", "name", IFACE,
-                       "netns", machine.name, check=False)  # fmt: skip
-            if proc.returncode != 0:
-                pytest.skip(f"network namespaces: cannot create a veth pair: {proc.stderr.strip()}")
-            made.append(("link", machine.host_veth))
-            _ip("link", "set", machine.host_veth, "master", bridge, "up")
-            _ip("addr", "add", f"{machine.address}/24", "dev", IFACE, netns=machine.name)
-            _ip("link", "set", IFACE, "up", netns=machine.name)
-            _ip("link", "set", "lo", "up", netns=machine.name)
+    """``n`` machines (namespaces) on one private bridge; everything removed on exit. A
+    skip (one reason line) where the kernel or permissions refuse."""
+    with ExitStack() as stack:
+        try:
+            machines = stack.enter_context(_cluster(n))
+        except NetnsUnavailable as exc:
+            pytest.skip(str(exc))
         yield machines
-    finally:
-        for machine in machines:
-            machine.reap()
-        for kind, name in reversed(made):
-            if kind == "netns":
-                # Processes the machines did not start themselves (none expected) would keep
-                # the namespace alive after `ip netns delete`: kill them first.
-                _kill_namespace_pids(name)
-                _ip("netns", "delete", name, check=False)
-            else:
-                # Deleting one end of a veth deletes both; the namespace's end may be gone.
-                _ip("link", "delete", name, check=False)
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@
     spotline bench recovery --trace FILE [--time-scale 60] [--max-workers 3]
     spotline bench reduce [--elements 1000000] [--ranks 2] [--logical-workers 4]
     spotline bench easyscale [--workers 2]
+    spotline bench cluster [--steps 8] [--repeats 3] [--victim w1] [--kill-after 2]
 
 Each subcommand runs its variants in one invocation, interleaved (A, B, A, B, ... for
 ``--repeats`` rounds) so that machine noise (other jobs on a shared CPU, thermal drift)
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from spotline.errors import UserError
+from spotline.launch.bench.cluster import bench_cluster, format_cluster
 from spotline.launch.bench.easyscale import bench_easyscale, format_easyscale
 from spotline.launch.bench.foundation import bench_foundation, format_foundation
 from spotline.launch.bench.jobs import BenchSettings, run_guarded
@@ -38,6 +40,8 @@ from spotline.launch.bench.redundancy import (
 )
 
 DEFAULT_STEPS = 30
+# The cluster bench times a loss, not steady steps: a few steps before and after it.
+CLUSTER_DEFAULT_STEPS = 8
 DEFAULT_REPEATS = 3
 QUICK_STEPS = 6
 QUICK_REPEATS = 1
@@ -73,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="side-by-side benchmarks of real training runs on this machine",
     )
     sub = parser.add_subparsers(
-        dest="bench", required=True, metavar="{foundation,redundancy,recovery,reduce,easyscale}"
+        dest="bench",
+        required=True,
+        metavar="{foundation,redundancy,recovery,reduce,easyscale,cluster}",
     )
     sub.add_parser(
         "foundation", parents=[common], help="Spotline vs stock DeepSpeed PipelineEngine"
@@ -116,11 +122,38 @@ def build_parser() -> argparse.ArgumentParser:
     easyscale.add_argument(
         "--workers", type=int, default=2, help="processes = logical workers (default 2)"
     )
+    cluster = sub.add_parser(
+        "cluster",
+        parents=[common],
+        help="a machine lost on a namespace cluster (kill, cut link, one-machine reference) "
+        "and the gloo vs TCP state-transfer rate between two machines (needs root)",
+    )
+    cluster.add_argument(
+        "--victim", default="w1", help="the worker whose machine is lost (default w1)"
+    )
+    cluster.add_argument(
+        "--kill-after",
+        type=int,
+        default=2,
+        help="lose it once the coordinator shows this step (default 2)",
+    )
+    cluster.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        help="recovery.heartbeat_timeout_s (default: the config's)",
+    )
+    cluster.add_argument(
+        "--transfer-mib", type=int, default=256, help="bytes per transfer, MiB (default 256)"
+    )
+    cluster.add_argument(
+        "--transfer-repeats", type=int, default=5, help="transfers per path (default 5)"
+    )
     return parser
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
-    steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else DEFAULT_STEPS)
+    default_steps = CLUSTER_DEFAULT_STEPS if args.bench == "cluster" else DEFAULT_STEPS
+    steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else default_steps)
     repeats = (
         args.repeats
         if args.repeats is not None
@@ -150,6 +183,16 @@ def main(argv: list[str] | None = None) -> int:
         elif args.bench == "easyscale":
             report = bench_easyscale(settings, args.workers)
             table = format_easyscale(report)
+        elif args.bench == "cluster":
+            report = bench_cluster(
+                settings,
+                victim=args.victim,
+                kill_after=args.kill_after,
+                heartbeat_timeout_s=args.heartbeat_timeout,
+                transfer_mib=args.transfer_mib,
+                transfer_repeats=args.transfer_repeats,
+            )
+            table = format_cluster(report)
         elif args.bench == "reduce":
             report = bench_reduce(settings, args.elements, args.ranks, args.logical_workers)
             table = format_reduce(report)

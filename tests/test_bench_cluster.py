@@ -1,0 +1,102 @@
+"""``spotline bench cluster`` without a cluster: its command line, its bad input, the log
+watch it times losses with, and the report it builds and prints (pure: no processes)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spotline.launch.bench import cluster, command
+
+
+def test_command_line_defaults_and_flags() -> None:
+    args = command.build_parser().parse_args(["cluster", "--output", "out"])
+    assert (args.victim, args.kill_after, args.heartbeat_timeout) == ("w1", 2, None)
+    assert (args.transfer_mib, args.transfer_repeats) == (256, 5)
+    settings = command.settings_from_args(args)
+    # Its own default length: a few steps around the loss, not the 30 steady ones.
+    assert (settings.steps, settings.repeats) == (command.CLUSTER_DEFAULT_STEPS, 3)
+    args = command.build_parser().parse_args(
+        ["cluster", "--victim", "w3", "--kill-after", "4", "--heartbeat-timeout", "2.5",
+         "--transfer-mib", "8", "--transfer-repeats", "2", "--steps", "10"]
+    )  # fmt: skip
+    assert (args.victim, args.kill_after, args.heartbeat_timeout) == ("w3", 4, 2.5)
+    assert (args.transfer_mib, args.transfer_repeats) == (8, 2)
+    assert command.settings_from_args(args).steps == 10
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kill-after", "0"], "--kill-after 0"),
+        (["--steps", "6", "--kill-after", "5"], "a step must follow"),
+        (["--steps", "20"], "at most 19"),
+        (["--victim", "w4"], "--victim 'w4'"),
+        (["--transfer-mib", "0"], "positive"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2_before_anything_starts(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert command.main(["cluster", "--output", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spotline: error: ") and message in err, err
+    assert err.count("\n") == 1
+    assert not list(tmp_path.iterdir())  # nothing was run or written
+
+
+def test_log_watch_keeps_complete_lines_with_the_time_first_seen(tmp_path: Path) -> None:
+    path = tmp_path / "err"
+    watch = cluster.LogWatch(path)
+    watch.poll()  # not there yet: nothing
+    path.write_text("spotline: step 1/8 loss 4\nspotline: [  1.00s] recov")
+    watch.poll()
+    assert [line for _, line in watch.lines] == ["spotline: step 1/8 loss 4"]
+    with open(path, "a") as f:
+        f.write("ered {'generation': 1}\n")
+    watch.poll()
+    seen, line = watch.first(r"\] recovered ") or (0.0, "")
+    assert line == "spotline: [  1.00s] recovered {'generation': 1}"
+    assert watch.first(r"\] recovered ", after=seen + 1) is None
+
+
+def _run(commit: float, detect: float | None, recovery: float) -> dict[str, Any]:
+    return {
+        "loss_to_commit_s": commit,
+        "loss_to_detect_s": detect,
+        "coordinator_recovery_s": recovery,
+        "in_memory": True,
+        "checkpoint_fallbacks": 0,
+        "param_sha256": "abc",
+    }
+
+
+def test_report_medians_targets_and_table() -> None:
+    runs = {
+        "machine-kill": [_run(5.3, 5.0, 0.3), _run(5.5, 5.1, 0.3), _run(5.1, 4.9, 0.2)],
+        "link-down": [_run(5.9, 5.0, 0.9), _run(6.4, 5.1, 1.0), _run(5.8, 5.0, 0.8)],
+        "single-machine": [_run(0.8, 0.1, 0.7), _run(0.9, 0.1, 0.8), _run(0.7, None, 0.6)],
+    }
+    mib = 2**20
+    transfer = {"bytes": 64 * mib, "repeats": 3, "gloo": [0.1, 0.2, 0.05], "tcp": [0.05] * 3}
+    report = cluster.build_report(
+        runs, transfer, heartbeat_timeout_s=5.0, steps=8, repeats=3, victim="w1", kill_after=2
+    )
+    rows, targets, x = report["rows"], report["targets"], report["transfer"]
+    assert rows["machine-kill"]["loss_to_commit_s"] == 5.3
+    assert rows["single-machine"]["loss_to_detect_s"] == 0.1  # a missing value is left out
+    assert targets["machine_kill_minus_single_s"] == pytest.approx(4.5)
+    assert targets["machine_kill_met"] is False
+    assert targets["link_down_minus_heartbeat_s"] == pytest.approx(0.9)
+    assert targets["link_down_met"] is True
+    assert x["gloo_mib_per_s"] == pytest.approx(640.0) and x["tcp_mib_per_s"] == 1280.0
+    assert x["gloo_over_tcp"] == pytest.approx(0.5)
+    assert report["hashes_agree"] is True
+    table = cluster.format_cluster(report)
+    assert "| machine-kill | 5.30 | 5.00 | 0.30 | yes | 0 |" in table
+    assert "machine-kill - single-machine: 4.50 s (target <= 1 s: NOT met)" in table
+    assert "link-down - heartbeat timeout (5 s): 0.90 s (target <= 1 s: met)" in table
+    assert "| gloo batch_isend_irecv | 640 | 0.100 |" in table
+    assert "gloo / tcp rate: 0.50x" in table
