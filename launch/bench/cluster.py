@@ -210,6 +210,9 @@ def run_loss(
                         host.iface,
                         "--logs",
                         str(logs[i - 1]),
+                        # The coordinator wrote the job's token there before printing --join.
+                        "--token-file",
+                        str(out / "job-token"),
                     ),
                     run_dir / f"agent-m{i}.err",
                 )  # fmt: skip
