@@ -489,12 +489,15 @@ class CheckpointWriteError:
 class MachineInfo:
     """A machine as its agent registers it: ``slots`` worker processes (one per GPU on a GPU
     machine), reachable by its peers at ``address`` (the agent's ``--address`` or its
-    ``--iface``'s), where ``iface`` is the interface gloo binds to."""
+    ``--iface``'s), where ``iface`` is the interface gloo binds to. ``probe_port`` is the
+    agent's liveness port on ``address`` (it accepts and closes connections: a refused
+    connect there proves the agent dead, see :mod:`spotline.launch.control.liveness`)."""
 
     name: str
     slots: int
     address: str
     iface: str
+    probe_port: int
 
     def __post_init__(self) -> None:
         assert self.slots >= 1, "a machine has at least one slot"
@@ -506,11 +509,18 @@ class MachineInfo:
             "slots": self.slots,
             "address": self.address,
             "iface": self.iface,
+            "probe_port": self.probe_port,
         }
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> MachineInfo:
-        return cls(str(raw["name"]), int(raw["slots"]), str(raw["address"]), str(raw["iface"]))
+        return cls(
+            str(raw["name"]),
+            int(raw["slots"]),
+            str(raw["address"]),
+            str(raw["iface"]),
+            int(raw["probe_port"]),
+        )
 
     def encode(self) -> str:
         return json.dumps(self.to_json())

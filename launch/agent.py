@@ -119,6 +119,7 @@ class Agent:
         *,
         env: dict[str, str],
         logs: Path,
+        listener: socket.socket,
     ) -> None:
         self.raw_store = raw_store
         self.token = token
@@ -136,6 +137,7 @@ class Agent:
         self.leaving_said = False
         self.registration = 0
         self.last_beat = -float("inf")
+        self.listener = listener  # the liveness port, non-blocking
 
     def join(self) -> None:
         """Register this machine (sealed with the token, if this agent has one)."""
@@ -172,6 +174,7 @@ class Agent:
         store = self.store
         assert store is not None, "an agent serves only once admitted, with a token"
         name = self.machine.name
+        self._answer_probes()
         now = time.monotonic()
         if now - self.last_beat >= HEARTBEAT_S:
             self.last_beat = now
@@ -198,6 +201,16 @@ class Agent:
         if self.live():
             return True
         return not (self.leaving or store.check([JOB_END_KEY]))
+
+    def _answer_probes(self) -> None:
+        """Accept and close the coordinator's liveness probes (the connect itself is the
+        answer; accepting keeps the backlog from filling)."""
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            conn.close()
 
     def _apply(self, order: Order) -> None:
         assert self.store is not None
@@ -375,16 +388,21 @@ def run_agent(args: argparse.Namespace) -> int:
         # host name happens to resolve. One machine's `spotline train` (loopback) keeps
         # gloo's default.
         env.update(gloo_environment(binding.ifname))
-    machine = MachineInfo(name, args.slots, binding.ip, binding.ifname)
+    # The liveness port (see spotline.launch.control.liveness): while this process lives,
+    # the kernel completes connects to it; once it is gone, they are refused.
+    listener = socket.create_server((binding.ip, 0), backlog=16)
+    listener.setblocking(False)
+    machine = MachineInfo(name, args.slots, binding.ip, binding.ifname, listener.getsockname()[1])
     logs = Path(args.logs or f"spotline-agent/{name}")
     # The spawner imports the training stack while the agent reaches the coordinator (a
     # machine that boots before its network is up, or before the coordinator, is ready to
     # fork workers the moment it joins).
     spawner = Spawner(args.preload or [DEFAULT_PRELOAD], env, logs / "spawner.log")
     try:
-        return _join_and_serve(args, name, token, machine, spawner, env, logs, spec)
+        return _join_and_serve(args, name, token, machine, spawner, env, logs, spec, listener)
     finally:
         spawner.close()
+        listener.close()
 
 
 def _join_and_serve(
@@ -396,6 +414,7 @@ def _join_and_serve(
     env: dict[str, str],
     logs: Path,
     spec: StoreSpec,
+    listener: socket.socket,
 ) -> int:
     from spotline.stores import connect_store
 
@@ -410,7 +429,7 @@ def _join_and_serve(
             flush=True,
         )
         return EXIT_COORDINATOR_LOST
-    agent = Agent(store, token, machine, spawner.start, env=env, logs=logs)
+    agent = Agent(store, token, machine, spawner.start, env=env, logs=logs, listener=listener)
     signal.signal(signal.SIGTERM, lambda signum, frame: agent.notice())
     try:
         # Joined only once a worker can be forked at once: the agent's loop (its heartbeat)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from spotline.auth import AuthStore
+from spotline.launch.control.liveness import LivenessProbe
 from spotline.launch.control.machines import AgentProcess, Machines
 from spotline.launch.control.metrics import RunMetrics
 from spotline.protocol import error_key, heartbeat_key, joined_key
@@ -32,6 +33,9 @@ SHUTDOWN_WAIT_S = 30
 # A worker's missed heartbeat is its own hang only while its agent still beats (every 0.1 s):
 # an agent quiet this long means the whole machine is going, which lost_machines() decides.
 AGENT_QUIET_S = 1.0
+# An agent quiet this long (three missed beats) has its liveness port probed: a refused
+# connect proves it dead, and its machine is lost at once (see control/liveness.py).
+PROBE_QUIET_S = 0.3
 WORKER_MODULE = "spotline.launch.elastic_worker"  # run as ``python -m WORKER_MODULE``
 SIGNALLED = (0, -signal.SIGKILL, -signal.SIGTERM)  # exit codes that are no worker error
 
@@ -77,6 +81,7 @@ class Supervisor:
         self.machines = Machines(store, on_refused)
         # Per machine: its agent's last heartbeat value, and when this process saw it change.
         self._agent_seen: dict[str, tuple[float | None, float]] = {}
+        self.liveness = LivenessProbe()
 
     def spawn(self, *, warm: bool = False, machine: str | None = None) -> str:
         """Start a worker process (on ``machine``, or where :meth:`_place` puts it); returns
@@ -181,22 +186,31 @@ class Supervisor:
         self.workers[wid].proc.send_signal(signal.SIGKILL)
         self.workers[wid].fate = fate
 
-    def lost_machines(self, limit_s: float) -> list[str]:
+    def lost_machines(self, limit_s: float) -> dict[str, str]:
         """Machines with live workers, or that workers may be started on, whose agent's
         heartbeat has not changed for ``limit_s`` seconds of this process's clock (the
-        agents' clocks are never compared with it): killed outright, or silently cut off."""
+        agents' clocks are never compared with it: silently cut off), or whose agent is
+        proven dead sooner (quiet, and its liveness port refused: killed outright). Returns
+        each with the evidence, ``"silent"`` or ``"refused"``."""
         now = time.monotonic()
-        lost = []
+        lost: dict[str, str] = {}
         # Those with workers, and those a worker may be started on (an idle machine whose
         # agent died must not be given one).
         watched = {p.proc.machine for p in self.workers.values() if p.alive}
-        for m in sorted(watched | set(self.machines.placeable())):
+        watched |= set(self.machines.placeable())
+        refused = self.liveness.refused()
+        for m in sorted(watched):
             beat = self.machines.last_heartbeat(m)
             seen = self._agent_seen.get(m)
             if seen is None or seen[0] != beat:
                 self._agent_seen[m] = (beat, now)
+            elif m in refused:
+                lost[m] = "refused"
             elif now - seen[1] > limit_s:
-                lost.append(m)
+                lost[m] = "silent"
+            elif now - seen[1] > PROBE_QUIET_S:
+                info = self.machines.joined[m]
+                self.liveness.probe(m, info.address, info.probe_port)
         return lost
 
     def silent_s(self, machine: str) -> float:
@@ -209,9 +223,10 @@ class Supervisor:
         agent silent for ``machine_timeout_s``). JobError if one exited with an error it
         reported."""
         died = []
-        for m in self.lost_machines(machine_timeout_s) if machine_timeout_s else []:
+        lost = self.lost_machines(machine_timeout_s) if machine_timeout_s else {}
+        for m, evidence in lost.items():
             self.machines.fence(m)
-            self.metrics.event("machine-lost", machine=m)
+            self.metrics.event("machine-lost", machine=m, evidence=evidence)
             for w, p in self.workers.items():
                 if p.alive and p.proc.machine == m:
                     p.alive = False
