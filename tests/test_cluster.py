@@ -20,6 +20,7 @@ import pytest
 from conftest import REPO, child_env, read_summary, small_config, write_config
 from netns import Machine
 
+from spotline.checkpoint import latest_complete
 from spotline.stores import ETCD_BINARY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -352,3 +353,62 @@ def test_a_machine_killed_then_the_coordinator_killed_and_restarted_over_etcd(
         if i != 2:
             assert code == 0, agent.communicate()[1]
     assert not (out / "job.json").exists()  # nothing left for a third one to take over
+
+
+def test_the_tcp_coordinator_killed_stops_every_machine_then_the_job_resumes_from_its_checkpoint(
+    netns_cluster, baseline, tmp_path: Path
+) -> None:
+    """The TCP store lives in the coordinator: SIGKILL it (2 machines x 2 slots, 2 stages x
+    2 pipelines) and every worker and agent stops within its timeout with one line, leaving
+    no process on any machine. ``spotline coordinator --resume`` with new agents continues
+    from the last checkpoint and ends with the undisturbed run's hash and every step's loss."""
+    config = {**CONFIG, "spotline": {**CONFIG["spotline"], "checkpoints": {"interval_steps": 10}}}
+    cfg = write_config(tmp_path / "c.json", config)
+    coordinator_host, *hosts = netns_cluster(3)
+    out = tmp_path / "out"
+    coordinator, err, join = _coordinator(coordinator_host, cfg, out, TOPOLOGY)
+    lost_after = ("--lost-after", "10")
+    agents = [
+        _agent(host, join, f"m{i}", out, *_token(out), *lost_after, slots=2)
+        for i, host in enumerate(hosts, start=1)
+    ]
+    deadline = time.monotonic() + 600  # a bound on the test, not a timing claim
+    while latest_complete(out / "checkpoints") is None:  # the step-10 checkpoint committed
+        assert coordinator.poll() is None and time.monotonic() < deadline, err.read_text()
+        time.sleep(0.1)
+    coordinator.kill()
+    coordinator.wait()
+    for i, agent in enumerate(agents, start=1):
+        line = _one_line(agent, 3)  # EXIT_COORDINATOR_LOST, within --lost-after
+        assert line.startswith(f"spotline agent m{i}: lost the coordinator"), line
+    for host in hosts:
+        assert host.pids() == [], f"processes left on {host.name}"  # no orphan
+    logs = sorted((out / "agents").glob("m*/w*.log"))
+    assert len(logs) == 4
+    for log in logs:
+        text = log.read_text()
+        said = [ln for ln in text.splitlines() if "lost the coordinator" in ln]
+        assert len(said) == 1 and said[0].startswith(f"spotline worker {log.stem}: "), text[-2000:]
+        assert "Traceback" not in text, text[-3000:]
+
+    argv = [sys.executable, "-m", "spotline.launch.cli", "coordinator", "--resume", str(out)]
+    argv += ["--listen", f"{coordinator_host.address}:0"]
+    resumed_err = tmp_path / "resumed.err"
+    with open(resumed_err, "w") as err_file:
+        resumed = coordinator_host.popen(
+            argv, cwd=REPO, env=child_env(), stdout=subprocess.DEVNULL, stderr=err_file, text=True
+        )
+    join = JOIN.search(_wait_for(resumed_err, r"--join \S+:\d+", [resumed], 300))
+    assert join is not None
+    agents = [
+        _agent(host, join.group(1), f"m{i}", out, *_token(out), slots=2)
+        for i, host in enumerate(hosts, start=1)
+    ]
+    assert resumed.wait(timeout=600) == 0, resumed_err.read_text()[-3000:]
+    summary = read_summary(out)
+    expected = baseline.result()
+    assert summary["resumed_from_step"] % 10 == 0 and summary["resumed_from_step"] > 0
+    assert summary["param_sha256"] == expected["param_sha256"]
+    assert summary["losses"] == expected["losses"]
+    for agent in agents:
+        assert agent.wait(timeout=120) == 0, agent.communicate()[1]
