@@ -337,6 +337,8 @@ class ElasticWorker:
         self.checkpoints: CheckpointWriter | None = None
         self.checkpoint_interval = cfg.spotline.checkpoints.interval_steps
         self._training_generation: int | None = None
+        # Set when the training generation is aborted: ends its rendezvous store's waits.
+        self._generation_aborted = threading.Event()
         self.train_start_t = float("inf")
         self.train_end_t = 0.0
         self.redundant_s = 0.0
@@ -369,9 +371,15 @@ class ElasticWorker:
                     if self.leaving:
                         hb_store.set(leaving_key(self.wid), "1")
                     training = self._training_generation
-                    if training is not None and hb_store.check([abort_key(training)]):
-                        # A peer failed: unblock whatever gloo operation this process waits in.
-                        self._training_generation = None
+                    aborted = self._generation_aborted
+                    if training is not None and (
+                        aborted.is_set() or hb_store.check([abort_key(training)])
+                    ):
+                        # A peer failed: unblock whatever gloo operation this process waits
+                        # in, and again at every beat until the main thread has left the
+                        # generation: gloo retries a failed connect (to a machine gone
+                        # silent, each try would wait out the whole timeout).
+                        aborted.set()
                         abort_connections(self.port)
                 except Exception:
                     if not self._hb_stop.is_set() and self.coordinator_lost():
@@ -540,6 +548,7 @@ class ElasticWorker:
         t0 = time.perf_counter()
         # Watched from here on: a peer lost while the group, the engine or the state transfer
         # is being set up must unblock this process as it would mid-step.
+        self._generation_aborted = threading.Event()  # before the watchdog can see g
         self._training_generation = generation
         outcome: Outcome = "failed"
         self.error = None
@@ -580,13 +589,20 @@ class ElasticWorker:
 
     def _join_process_group(self, generation: int, rank: int, world: int) -> None:
         """The generation's gloo group (``pg/<g>`` in the store), and DeepSpeed's view of it."""
+        from spotline.stores import AbortableStore
+
+        timeout = timedelta(seconds=self.cfg.spotline.recovery.collective_timeout_s)
+        # Abortable: a member lost before it wrote its rendezvous address must not hold the
+        # others in a store wait for the whole timeout (see AbortableStore). Held here: a
+        # Python store that only C++ references loses its methods (pybind's trampoline).
+        self._generation_store = AbortableStore(self.raw_store, self._generation_aborted, timeout)
         dist.init_process_group(
             "gloo",
             # gloo's rendezvous reads and writes the store itself (its keys are not sealed).
-            store=dist.PrefixStore(process_group_prefix(generation), self.raw_store),
+            store=dist.PrefixStore(process_group_prefix(generation), self._generation_store),
             rank=rank,
             world_size=world,
-            timeout=timedelta(seconds=self.cfg.spotline.recovery.collective_timeout_s),
+            timeout=timeout,
         )
         import deepspeed
         import deepspeed.ops
@@ -597,6 +613,7 @@ class ElasticWorker:
     def _abort_generation(self, generation: int) -> None:
         """Tell every member at once (their watchdogs unblock them), and unblock our peers."""
         self._training_generation = None
+        self._generation_aborted.set()
         self.store.set(abort_key(generation), self.wid)
         abort_connections(self.port)
 

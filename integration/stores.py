@@ -18,6 +18,7 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -38,6 +39,9 @@ Backend = Literal["tcp", "etcd"]
 BACKENDS: tuple[Backend, ...] = ("tcp", "etcd")
 ETCD_BINARY = "/usr/bin/etcd"
 DEFAULT_TIMEOUT = timedelta(seconds=60)
+# An AbortableStore's wait polls at most this far apart: a rendezvous key's arrival is seen
+# within it (a generation's set-up waits on a few dozen keys).
+ABORTABLE_POLL_MAX_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -331,6 +335,67 @@ class EtcdV3Store(dist.Store):
             },
         )
         return int(reply.get("count", 0))
+
+
+class AbortableStore(dist.Store):
+    """A store whose blocking waits end as soon as ``aborted`` is set: a generation's
+    rendezvous store (gloo's and every subgroup's, as DeepSpeed creates them).
+
+    A member lost while a generation sets up (a machine cut off before it wrote its
+    rendezvous address) leaves its peers blocked in the store's ``get``/``wait`` for that
+    address, for the whole process-group timeout, once per subgroup: shutting their sockets
+    (``abort_connections``) does not reach a store wait. Here a wait is a poll of ``check``
+    (from 1 ms, backing off to :data:`ABORTABLE_POLL_MAX_S`), which looks at ``aborted``
+    between polls and raises ``DistNetworkError`` when it is set. Polling, not the inner
+    store's own timed ``wait``: a TCPStore client's wait that times out would leave its
+    answer on the connection. Every other call goes to ``inner`` unchanged.
+    """
+
+    def __init__(self, inner: dist.Store, aborted: threading.Event, timeout: timedelta) -> None:
+        super().__init__()  # the pybind trampoline needs it
+        self.inner = inner
+        self.aborted = aborted
+        self.set_timeout(timeout)
+
+    def _timeout(self) -> timedelta:
+        timeout: timedelta = self.timeout  # type: ignore[attr-defined]  # as EtcdV3Store's
+        return timeout
+
+    def set(self, key: str | bytes, value: str | bytes) -> None:
+        self.inner.set(key, value)  # type: ignore[arg-type]  # both kinds accepted at runtime
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self.inner.get(key)
+
+    def add(self, key: str | bytes, num: int) -> int:
+        return self.inner.add(key, num)  # type: ignore[arg-type]
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
+        timeout = self._timeout() if override_timeout is None else override_timeout
+        deadline = time.monotonic() + timeout.total_seconds()
+        pause = 0.001
+        while not self.inner.check(keys):
+            if self.aborted.is_set():
+                raise dist.DistNetworkError(f"the generation was aborted while waiting for {keys}")
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"wait timeout after {timeout}, keys: {list(keys)}")
+            time.sleep(pause)
+            pause = min(pause * 2, ABORTABLE_POLL_MAX_S)
+
+    def compare_set(
+        self, key: str | bytes, expected_value: str | bytes, desired_value: str | bytes
+    ) -> bytes:
+        return self.inner.compare_set(key, expected_value, desired_value)  # type: ignore[arg-type]
+
+    def delete_key(self, key: str | bytes) -> bool:
+        return self.inner.delete_key(key)  # type: ignore[arg-type]
+
+    def num_keys(self) -> int:
+        return self.inner.num_keys()
 
 
 def _prefix_end(prefix: bytes) -> bytes:
