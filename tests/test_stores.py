@@ -24,6 +24,7 @@ import torch.distributed as dist
 from spotline.errors import UserError
 from spotline.stores import (
     ETCD_BINARY,
+    AbortableStore,
     EtcdProcess,
     StoreSpec,
     connect_store,
@@ -265,3 +266,22 @@ def test_local_etcd_stop_leaves_no_process(tmp_path: Path) -> None:
 def test_missing_etcd_binary_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(UserError, match="etcd-server"):
         start_local_etcd(tmp_path, binary=str(tmp_path / "no-such-etcd"))
+
+
+def test_an_abortable_store_s_wait_ends_when_its_generation_is_aborted() -> None:
+    """A generation's rendezvous store: a wait for a key nobody will write (a member lost
+    before it wrote its address) ends at once when the generation is aborted, not after the
+    timeout; keys that arrive are seen; every other call reaches the inner store."""
+    inner = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=30))
+    aborted = threading.Event()
+    store = AbortableStore(inner, aborted, timedelta(seconds=600))
+    prefixed = dist.PrefixStore("pg/1", store)  # as gloo's rendezvous holds it
+    threading.Timer(0.2, lambda: inner.set("pg/1/late", "x")).start()
+    assert prefixed.get("late") == b"x"  # written while waiting
+    prefixed.set("k", "v")
+    assert inner.get("pg/1/k") == b"v" and prefixed.add("n", 2) == 2
+    with pytest.raises(dist.DistStoreError):
+        prefixed.wait(["never"], timedelta(seconds=0.1))  # its own timeout still holds
+    threading.Timer(0.2, aborted.set).start()
+    with pytest.raises(dist.DistNetworkError, match="aborted"):
+        prefixed.get("never")  # the 600 s timeout is not waited out
