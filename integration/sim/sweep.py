@@ -31,6 +31,7 @@ METRICS: tuple[str, ...] = (
     "checkpoint_s",
     "waiting_s",
     "degraded_s",
+    "uncalibrated_s",
     "redone_samples",
     "num_fatal_failures",
     "num_restarts",
