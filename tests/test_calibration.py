@@ -242,3 +242,62 @@ def test_cli_unknown_calibration_exits_2_with_one_line(
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "unknown calibration 'bamboo-nope'" in lines[0], err
     assert "Traceback" not in err
+
+
+def test_calibrate_measures_at_least_three_pipeline_counts() -> None:
+    from spotline.launch.calibrate import parse_pipelines
+
+    assert parse_pipelines("1,2,3", 1) == (1, 2, 3)
+    assert parse_pipelines("4, 2,1", 1) == (1, 2, 4)
+    # The run's own pipeline count (workers / stages) is always measured.
+    assert parse_pipelines("1,3", 2) == (1, 2, 3)
+    for text, words in (("1,2", "at least 3"), ("1,1,1", "at least 3"), ("0,1,2", ">= 1")):
+        with pytest.raises(UserError, match=words) as error:
+            parse_pipelines(text, 1)
+        assert "--pipelines" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(UserError, match="'x' is not a whole number"):
+        parse_pipelines("1,x,3", 1)
+
+
+def test_calibrate_writes_a_row_per_measured_pipeline_count(tmp_path: Path) -> None:
+    """spotline calibrate's table from measured numbers (no run): a row per pipeline count,
+    the degraded row at the run's own, interpolated between them by the simulator."""
+    from spotline.launch.calibrate import calibration_table
+
+    measured = {
+        "stages": 2,
+        "workers": 2,
+        "pipelines": 1,
+        "logical_workers": 6,
+        "steps": 30,
+        "samples_per_step": 192,
+        "step_time_s": 0.6,
+        "pipeline_step_times_s": {"1": 0.6, "2": 0.35, "3": 0.3},
+        "degraded_step_time_s": 0.75,
+        "checkpoint_save_s": 0.01,
+        "reconfigure_s": 0.4,
+        "state_transfer_s": 1.5,
+        "restore_s": 1.6,
+        "restore_from": "checkpoint",
+        "node_ready_s": 6.0,
+        "checkpoint_interval_steps": 5,
+        "param_sha256": "ab",
+        "model": "gpt2-tiny",
+    }
+    table = calibration_table(measured)
+    rows = table["models"]["local"]["step_times"]
+    assert [(r["num_pipelines"], r["degraded"], r["step_time_s"]) for r in rows] == [
+        (1, False, 0.6),
+        (2, False, 0.35),
+        (3, False, 0.3),
+        (1, True, 0.75),
+    ]
+    assert table["degraded_slowdown"] == 1.25
+    assert "2 stages x 1, 2, 3 pipelines" in table["description"]
+    path = tmp_path / "calibration.json"
+    path.write_text(json.dumps(table))
+    model_ = load_calibration(path).model("local")
+    assert model_.pipeline_range == (1, 3)
+    assert model_.step_time_s(2, True) == pytest.approx(0.35 * 1.25)
+    with pytest.raises(OutsideCalibration):
+        model_.step_time_s(4, False)

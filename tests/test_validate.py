@@ -88,8 +88,10 @@ def test_calibrate_measures_this_machine(tmp_path: Path) -> None:
     table = load_calibration(out)
     model = table.model("local")
     assert model.num_stages == 2
-    rows = {row.degraded: row.step_time_s for row in model.step_times}
-    assert rows[False] > 0 and rows[True] > 0
+    # Three pipeline counts measured (the default --pipelines 1,2,3), one degraded row.
+    assert model.measured_pipelines == (1, 2, 3)
+    assert all(row.step_time_s > 0 for row in model.step_times)
+    assert [row.num_pipelines for row in model.step_times if row.degraded] == [1]
     assert table.reconfigure_s > 0 and table.node_ready_s > 0
     assert model.checkpoint_load_s >= 0
     measured = json.loads(out.read_text())["measured"]
