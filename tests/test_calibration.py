@@ -301,3 +301,23 @@ def test_calibrate_writes_a_row_per_measured_pipeline_count(tmp_path: Path) -> N
     assert model_.step_time_s(2, True) == pytest.approx(0.35 * 1.25)
     with pytest.raises(OutsideCalibration):
         model_.step_time_s(4, False)
+
+
+def test_cli_sweep_flags_seeds_outside_the_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The synthetic path: 32 nodes of Bamboo's 8 stages plan 4 pipelines, beyond its 3."""
+    output = tmp_path / "out"
+    argv = ["--preempt-rate", "0.1", "--seeds", "1", "--hours", "1", "--nodes", "32"]
+    code = simulate_main(
+        [*argv, "--policies", "on-demand", "--output", str(output), "--no-progress"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    document = json.loads((output / "results.json").read_text())
+    [result] = document["results"]["on-demand"]
+    assert (
+        result["uncalibrated_s"] == pytest.approx(result["running_s"]) and result["running_s"] > 0
+    )
+    assert "1-3 pipelines of 8 stages" in document["uncalibrated_note"]
+    assert "note: uncal. s" in out

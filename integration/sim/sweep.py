@@ -30,6 +30,7 @@ METRICS: tuple[str, ...] = (
     "reconfigure_s",
     "checkpoint_s",
     "waiting_s",
+    "running_s",
     "degraded_s",
     "uncalibrated_s",
     "redone_samples",
