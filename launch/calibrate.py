@@ -18,7 +18,8 @@ other, each measuring what the simulator's calibration table needs:
    is ``state_transfer_s``;
 5. fatal loss: W workers arrive as standbys (their start-up is ``node_ready_s``), then every
    member is killed at once, two thirds of the way in: the restore from the last
-   checkpoint (``checkpoint_load_s`` on top of a generation change).
+   checkpoint (``checkpoint_load_s`` on top of a generation change). This run keeps W / S
+   logical workers, so that the arrivals stay standbys.
 
 Runs 2-5 use W workers (W / S pipelines, also a measured count). The result is a
 calibration table (the format of ``spotline/assets/calibration-bamboo.json``) with one
@@ -210,7 +211,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # Late enough that checkpoints were committed (the coordinator commits them as it polls).
     fatal_at = 2 * steps // 3
     interval = max(2, steps // 6)
-    fatal_flags = [*topology, "--checkpoint-interval", str(interval)]
+    # This run alone keeps the default logical workers (W / S): with more, the W arrivals
+    # would form pipelines of their own and the members' loss would be survived in memory.
+    # What it measures (worker start-up, a restore) does not depend on the global batch.
+    fatal_flags = [
+        *["--workers", str(workers), "--stages", str(stages)],
+        *["--checkpoint-interval", str(interval)],
+    ]
     for _ in range(workers):
         fatal_flags += ["--inject", "add:1"]
     for worker in range(workers):
