@@ -1,9 +1,14 @@
 """``spotline calibrate``: measure this machine's numbers for the simulator.
 
-Five short ``spotline train`` runs of the same job (``--stages S --workers W``), one after
-the other, each measuring what the simulator's calibration table needs:
+Short ``spotline train`` runs of the same job (``--stages S --workers W``), one after the
+other, each measuring what the simulator's calibration table needs:
 
-1. steady: the mean step time (the first two steps, warm-up, left out);
+1. steady, once per pipeline count of ``--pipelines`` (at least three; default 1,2,3): the
+   mean step time of S x P workers (the first two steps, warm-up, left out). Every run of
+   the calibration trains the same logical topology (``--logical-workers``, the least common
+   multiple of the pipeline counts), so every row has the same global batch, as the
+   simulator assumes; the simulator interpolates between these rows and refuses (or, where
+   it must plan outside them, flags) any other pipeline count;
 2. checkpointing: the same with a checkpoint every step; the extra time is the save cost;
 3. failover: the last worker is killed a third of the way in, with no spare, so the
    planner folds stages onto fewer workers: the recovery time (a generation change, the
@@ -13,20 +18,23 @@ the other, each measuring what the simulator's calibration table needs:
    is ``state_transfer_s``;
 5. fatal loss: W workers arrive as standbys (their start-up is ``node_ready_s``), then every
    member is killed at once, two thirds of the way in: the restore from the last
-   checkpoint (``checkpoint_load_s`` on top of a generation change).
+   checkpoint (``checkpoint_load_s`` on top of a generation change). This run keeps W / S
+   logical workers, so that the arrivals stay standbys.
 
-The result is a calibration table (the format of ``spotline/assets/calibration-bamboo.json``)
-with one model, ``local``, in wall seconds of this machine; prices are the default table's.
+Runs 2-5 use W workers (W / S pipelines, also a measured count). The result is a
+calibration table (the format of ``spotline/assets/calibration-bamboo.json``) with one
+model, ``local``, in wall seconds of this machine; prices are the default table's.
 ``spotline simulate --calibration FILE --model local`` and the replay validation
 (:mod:`spotline.sim.validate`) read it.
 
-    spotline calibrate --stages 2 --workers 2 --steps 30 --output calibration.json
+    spotline calibrate --stages 2 --workers 2 --pipelines 1,2,3 --steps 30 --output calibration.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -58,12 +66,47 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", help="base config (default: the built-in one)")
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument(
+        "--pipelines",
+        default="1,2,3",
+        help="pipeline counts to measure the step time of, at least three (default 1,2,3); "
+        "W / S is always one of them",
+    )
     parser.add_argument("--steps", type=int, default=30, help="steps per run (default 30)")
     parser.add_argument("--output", required=True, help="calibration JSON to write")
     parser.add_argument(
         "--runs", default="runs/calibrate", help="where the runs' files go (default runs/calibrate)"
     )
     return parser
+
+
+MIN_PIPELINE_COUNTS = 3
+"""A calibration measures at least this many pipeline counts (issue 14)."""
+
+
+def parse_pipelines(text: str, base: int) -> tuple[int, ...]:
+    """The pipeline counts of ``--pipelines`` (ascending, with ``base``, the run's own
+    W / S, added); a UserError naming the flag when they are not at least three distinct
+    positive integers."""
+    counts: set[int] = set()
+    for part in text.split(","):
+        try:
+            count = int(part.strip())
+        except ValueError:
+            raise UserError(
+                f"--pipelines: {part.strip()!r} is not a whole number; e.g. --pipelines 1,2,3"
+            ) from None
+        if count < 1:
+            raise UserError(f"--pipelines: counts must be >= 1, got {count}")
+        counts.add(count)
+    counts.add(base)
+    if len(counts) < MIN_PIPELINE_COUNTS:
+        raise UserError(
+            f"--pipelines {text} measures {len(counts)} pipeline count(s); give at least "
+            f"{MIN_PIPELINE_COUNTS} distinct ones (e.g. --pipelines 1,2,3) so the simulator "
+            "has rows to interpolate between"
+        )
+    return tuple(sorted(counts))
 
 
 def _steady_mean(times: list[float | None], first: int) -> float:
@@ -89,6 +132,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
     if steps < 12:
         raise UserError(f"--steps {steps} is too short to measure; use 12 or more")
+    base_pipelines = workers // stages
+    pipeline_counts = parse_pipelines(args.pipelines, base_pipelines)
+    # One global batch for every run: each row's pipelines share the same logical workers
+    # evenly (a count that does not divide them would time its busiest pipeline instead).
+    logical = math.lcm(*pipeline_counts)
     runs = Path(args.runs)
     settings = BenchSettings(steps=steps, repeats=1, output=runs, config=args.config)
     base = resolve_base_config(
@@ -101,12 +149,27 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     runs.mkdir(parents=True, exist_ok=True)
     config = write_config(base, runs / "config.json")
-    topology = ["--workers", str(workers), "--stages", str(stages)]
+    logical_flag = ["--logical-workers", str(logical)]
+    topology = ["--workers", str(workers), "--stages", str(stages), *logical_flag]
     kill_at = steps // 3
 
-    progress("calibrate 1/5: steady")
-    steady = run_spotline_train(config, runs / "steady", [*topology, "--checkpoint-interval", "0"])
-    step_time = _steady_mean(steady["step_times_s"], 0)
+    pipeline_step_s: dict[int, float] = {}
+    steady: dict[str, Any] = {}
+    for count in pipeline_counts:
+        progress(f"calibrate 1/5: steady, {stages} stages x {count} pipelines")
+        run = run_spotline_train(
+            config,
+            runs / f"steady-{count}p",
+            [
+                *["--workers", str(stages * count), "--stages", str(stages), *logical_flag],
+                *["--checkpoint-interval", "0"],
+            ],
+        )
+        assert run["logical_workers"] == logical, (run["logical_workers"], logical)
+        pipeline_step_s[count] = _steady_mean(run["step_times_s"], 0)
+        if count == base_pipelines:
+            steady = run
+    step_time = pipeline_step_s[base_pipelines]
 
     progress("calibrate 2/5: checkpointing every step")
     saving = run_spotline_train(
@@ -148,7 +211,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # Late enough that checkpoints were committed (the coordinator commits them as it polls).
     fatal_at = 2 * steps // 3
     interval = max(2, steps // 6)
-    fatal_flags = [*topology, "--checkpoint-interval", str(interval)]
+    # This run alone keeps the default logical workers (W / S): with more, the W arrivals
+    # would form pipelines of their own and the members' loss would be survived in memory.
+    # What it measures (worker start-up, a restore) does not depend on the global batch.
+    fatal_flags = [
+        *["--workers", str(workers), "--stages", str(stages)],
+        *["--checkpoint-interval", str(interval)],
+    ]
     for _ in range(workers):
         fatal_flags += ["--inject", "add:1"]
     for worker in range(workers):
@@ -171,12 +240,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "stages": stages,
         "workers": workers,
-        "pipelines": workers // stages,
+        "pipelines": base_pipelines,
+        "logical_workers": logical,
         "steps": steps,
+        # The fixed global batch: every logical pipeline's micro-batches.
         "samples_per_step": steady["micro_batch_size"]
         * steady["micro_batches"]
-        * steady["pipelines"],
+        * steady["logical_workers"],
         "step_time_s": step_time,
+        "pipeline_step_times_s": {str(count): t for count, t in pipeline_step_s.items()},
         "degraded_step_time_s": degraded_step,
         "checkpoint_save_s": save_s,
         "reconfigure_s": reconfigure_s,
@@ -197,14 +269,37 @@ def calibration_table(measured: dict[str, Any]) -> dict[str, Any]:
     default = json.loads(DEFAULT_CALIBRATION_PATH.read_text(encoding="utf-8"))
     stages, pipelines = measured["stages"], measured["pipelines"]
     step = measured["step_time_s"]
+    # Tables written before --pipelines measured one count: the run's own.
+    per_count = measured.get("pipeline_step_times_s", {str(pipelines): step})
+    counts = ", ".join(sorted(per_count, key=int))
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    rows = [
+        {
+            "num_stages": stages,
+            "num_pipelines": count,
+            "degraded": False,
+            "step_time_s": round(per_count[str(count)], 5),
+        }
+        for count in sorted(int(text) for text in per_count)
+    ]
+    rows.append(
+        {
+            "num_stages": stages,
+            "num_pipelines": pipelines,
+            "degraded": True,
+            "step_time_s": round(measured["degraded_step_time_s"], 5),
+        }
+    )
     return {
         "description": (
             f"Measured by spotline calibrate on this machine ({when}): {measured['model']}, "
-            f"{stages} stages x {pipelines} pipelines, wall seconds; prices from the default table."
+            f"{stages} stages x {counts} pipelines, wall seconds; prices from the default table."
         ),
         "sources": {
-            "measured": "spotline calibrate: five short spotline train runs (see launch/calibrate.py)",
+            "measured": (
+                "spotline calibrate: short spotline train runs, a steady one per pipeline "
+                "count, then four at the run's own (see launch/calibrate.py)"
+            ),
             "prices": "copied from spotline/assets/calibration-bamboo.json",
         },
         "spot_price_per_node_hour": default["spot_price_per_node_hour"],
@@ -225,20 +320,7 @@ def calibration_table(measured: dict[str, Any]) -> dict[str, Any]:
                 "checkpoint_load_s": round(
                     max(0.0, measured["restore_s"] - measured["reconfigure_s"]), 4
                 ),
-                "step_times": [
-                    {
-                        "num_stages": stages,
-                        "num_pipelines": pipelines,
-                        "degraded": False,
-                        "step_time_s": round(step, 5),
-                    },
-                    {
-                        "num_stages": stages,
-                        "num_pipelines": pipelines,
-                        "degraded": True,
-                        "step_time_s": round(measured["degraded_step_time_s"], 5),
-                    },
-                ],
+                "step_times": rows,
             }
         },
         "measured": measured,
@@ -259,9 +341,12 @@ def main(argv: list[str] | None = None) -> int:
         write_json_atomic(output, table)
         load_calibration(output)  # what was written is a valid table
         m = table["measured"]
+        per_count = ", ".join(
+            f"{count}: {t * 1e3:.1f} ms" for count, t in m["pipeline_step_times_s"].items()
+        )
         print(
-            f"spotline: calibrated {m['stages']} stages x {m['pipelines']} pipelines: "
-            f"step {m['step_time_s'] * 1e3:.1f} ms "
+            f"spotline: calibrated {m['stages']} stages, step by pipelines {per_count}; "
+            f"at {m['pipelines']}: step {m['step_time_s'] * 1e3:.1f} ms "
             f"(folded {m['degraded_step_time_s'] * 1e3:.1f} ms), "
             f"generation change {m['reconfigure_s']:.2f} s "
             f"(+{m['state_transfer_s']:.2f} s moving state), restore {m['restore_s']:.2f} s, "

@@ -23,7 +23,7 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -37,7 +37,13 @@ from spotline.plan.traces import (
     scale_trace,
     synthetic_trace,
 )
-from spotline.sim.calibration import Calibration, load_calibration
+from spotline.sim.calibration import (
+    DEFAULT_CALIBRATION,
+    NAMED_CALIBRATIONS,
+    Calibration,
+    ModelCalibration,
+    load_calibration,
+)
 from spotline.sim.engine import (
     POLICIES,
     PolicyName,
@@ -61,6 +67,7 @@ SUMMARY_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("reconfigure_s", "reconf s", "{:.0f}"),
     ("redone_samples", "redone samples", "{:.0f}"),
     ("degraded_s", "degraded s", "{:.0f}"),
+    ("uncalibrated_s", "uncal. s", "{:.0f}"),
     ("num_fatal_failures", "fatal", "{:g}"),
 )
 
@@ -103,7 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=",".join(POLICIES),
         help=f"comma-separated, from {', '.join(POLICIES)} (default: all)",
     )
-    parser.add_argument("--calibration", type=Path, help="a calibration JSON (default: Bamboo's)")
+    parser.add_argument(
+        "--calibration",
+        metavar="NAME|FILE",
+        help=f"a shipped calibration ({', '.join(NAMED_CALIBRATIONS)}) or a calibration JSON "
+        f"such as spotline calibrate writes (default: {DEFAULT_CALIBRATION})",
+    )
     parser.add_argument("--seeds", type=int, default=None, help="seeds per rate (default 10)")
     parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     parser.add_argument(
@@ -184,18 +196,21 @@ def _assumptions(
 ) -> dict[str, Any]:
     model = config.model
     topology = config.topology
-    intercept, slope = model.fit
+    low, high = model.pipeline_range
     out: dict[str, Any] = {
+        "calibration": calibration.name or "(a file)",
         "calibration_file": calibration.source,
         "model": model.name,
         "logical_topology": f"{topology.num_stages} stages x {topology.num_pipelines} pipelines",
         "samples_per_step (fixed global batch)": model.samples_per_step,
+        "measured pipeline counts": list(model.measured_pipelines),
         "step_time_s by active pipelines": {
-            str(p): round(model.step_time_s(p, False), 4)
+            str(p): round(model.step_time_bound_s(p, False)[0], 4)
             for p in range(1, topology.num_pipelines + 1)
         },
-        "step_time fit for pipeline counts outside the table": (
-            f"{intercept:.4f} + {slope:.4f} / P seconds"
+        "step times outside the measured rows": (
+            f"bounds, not measurements: above {high} pipelines the {high}-pipeline time, "
+            f"below {low} that time x {low}/P; time trained on them is uncalibrated_s"
         ),
         "degraded_slowdown": calibration.degraded_slowdown,
         "spot_price_per_node_hour": calibration.spot_price_per_node_hour,
@@ -223,6 +238,27 @@ def _assumptions(
         out["on_demand_workers"] = topology.num_slots
     out.update(extra)
     return out
+
+
+def uncalibrated_note(
+    rows: Iterable[tuple[Any, Mapping[str, Any]]], model: ModelCalibration
+) -> str:
+    """The line printed under a results table when any row trained at a pipeline count
+    outside the calibration's measured rows ("" when none did)."""
+    flagged = [
+        f"{label} {summary['uncalibrated_s'] / summary['running_s']:.0%}"
+        for label, summary in rows
+        if summary["uncalibrated_s"] > 0 and summary["running_s"] > 0
+    ]
+    if not flagged:
+        return ""
+    low, high = model.pipeline_range
+    return (
+        f"note: uncal. s is training at pipeline counts outside the calibration's rows "
+        f"({low}-{high} pipelines of {model.num_stages} stages), timed by a bound that "
+        f"understates throughput; share of training time: {', '.join(flagged)}. "
+        "Measure those pipeline counts to remove it."
+    )
 
 
 def _print_assumptions(assumptions: dict[str, Any]) -> None:
@@ -511,6 +547,9 @@ def _run_trace(
     progress.close()
     summaries = {policy: result.summary() for policy, result in results.items()}
     print(_format_table(list(summaries.items()), "policy"))
+    note = uncalibrated_note(summaries.items(), config.model)
+    if note:
+        print(note)
     ratios = _ratios(summaries)
     for name, value in ratios.items():
         print(f"{name}: {value:.2f}x")
@@ -521,6 +560,7 @@ def _run_trace(
         "assumptions": assumptions,
         "results": summaries,
         "ratios": ratios,
+        "uncalibrated_note": note,
         "plots": [str(path.name) for path in plots],
     }
     _write_atomic(args.output / "results.json", json.dumps(document, indent=2, default=str) + "\n")
@@ -593,6 +633,9 @@ def _run_synthetic(
             table.append((f"{rate:g} {policy}", summary))
         all_ratios[f"{rate:g}"] = _ratios(summaries)
     print(_format_table(table, "rate policy"))
+    note = uncalibrated_note(table, config.model)
+    if note:
+        print(note)
     for rate_text, ratios in all_ratios.items():
         for name, value in ratios.items():
             print(f"rate {rate_text}: {name}: {value:.2f}x")
@@ -611,6 +654,7 @@ def _run_synthetic(
         "assumptions": assumptions,
         "results": per_policy,
         "ratios": all_ratios,
+        "uncalibrated_note": note,
         "plots": [path.name for path in plots],
     }
     _write_atomic(args.output / "results.json", json.dumps(document, indent=2, default=str) + "\n")

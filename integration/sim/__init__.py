@@ -1,7 +1,8 @@
 """Cluster-scale simulator and cost model (pure Python, no torch or DeepSpeed).
 
-- :mod:`spotline.sim.calibration`: prices, delays and step times from a JSON table
-  (default ``spotline/assets/calibration-bamboo.json``).
+- :mod:`spotline.sim.calibration`: prices, delays and step times from a JSON table, by
+  shipped name (default ``bamboo-gpt2-8stage``, ``spotline/assets/calibration-bamboo.json``)
+  or file; step times only for the pipeline counts its rows cover.
 - :mod:`spotline.sim.engine`: replays a :class:`spotline.plan.traces.Trace` under the
   ``spotline``, ``spotline-rigid``, ``checkpoint-restart`` and ``on-demand`` policies; every
   placement, takeover and fatal-loss decision comes from the runtime's own planner,

@@ -86,16 +86,19 @@ _Status = Literal["waiting", "paused", "running", "checkpointing"]
 _PauseKind = Literal["restart", "reconfigure"]
 
 
-def layout_step_time_s(model: ModelCalibration, layout: Layout) -> float:
-    """Seconds per step of ``layout``: the table's time for its physical pipelines; with
-    merged stages the pipeline runs at the pace of its busiest worker, which runs k logical
-    stages: the degraded time (one extra stage) plus one more increment per further stage."""
-    base = model.step_time_s(layout.num_pipelines, False)
+def layout_step_time_s(model: ModelCalibration, layout: Layout) -> tuple[float, bool]:
+    """``(seconds, calibrated)`` per step of ``layout``: the table's time for its physical
+    pipelines; with merged stages the pipeline runs at the pace of its busiest worker, which
+    runs k logical stages: the degraded time (one extra stage) plus one more increment per
+    further stage. ``calibrated`` is False when the pipeline count lies outside the table's
+    measured rows: the time is then the table's bound (``step_time_bound_s``), which never
+    flatters, and the run counts the time it trained on it."""
+    base, inside = model.step_time_bound_s(layout.num_pipelines, False)
     widest = max(len(group) for group in layout.groups)
     if widest == 1:
-        return base
-    degraded = model.step_time_s(layout.num_pipelines, True)
-    return degraded + (degraded - base) * (widest - 2)
+        return base, inside
+    degraded, degraded_inside = model.step_time_bound_s(layout.num_pipelines, True)
+    return degraded + (degraded - base) * (widest - 2), inside and degraded_inside
 
 
 def young_daly_interval_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
@@ -199,7 +202,9 @@ class PolicyResult:
     ``restart_s`` is time lost to restarts (checkpoint-restart restarts, Spotline's fatal
     fallbacks, the first start); ``reconfigure_s`` Spotline's in-memory failovers and
     rebalances; ``redone_samples`` work rolled back to a checkpoint and done again;
-    ``degraded_s`` training time with a worker running two stages.
+    ``degraded_s`` training time with a worker running two stages; ``uncalibrated_s``
+    training time at a pipeline count outside the calibration's measured rows, whose step
+    time is a bound that understates throughput (see ``ModelCalibration.step_time_bound_s``).
     """
 
     policy: PolicyName
@@ -220,6 +225,7 @@ class PolicyResult:
     checkpoint_interval_s: float
     timeline: tuple[TimelinePoint, ...] = ()
     layouts: tuple[PlannedLayout, ...] = ()
+    uncalibrated_s: float = 0.0
 
     @property
     def samples_per_s(self) -> float:
@@ -252,6 +258,7 @@ class PolicyResult:
             "checkpoint_s": self.checkpoint_s,
             "waiting_s": self.waiting_s,
             "degraded_s": self.degraded_s,
+            "uncalibrated_s": self.uncalibrated_s,
             "redone_samples": self.redone_samples,
             "num_fatal_failures": self.num_fatal_failures,
             "num_restarts": self.num_restarts,
@@ -344,6 +351,8 @@ class _Run:
         self.pending_checkpoint_steps = 0
         self.step_time_s = math.inf
         self.degraded = False
+        # Whether the step time is a calibration bound (pipeline count outside its rows).
+        self.uncalibrated = False
         self.num_active_pipelines = 0
         self.progress = 0.0
         self.committed_steps = 0
@@ -354,6 +363,7 @@ class _Run:
         self.started = False
         self.running_s = 0.0
         self.degraded_s = 0.0
+        self.uncalibrated_s = 0.0
         self.restart_s = 0.0
         self.reconfigure_s = 0.0
         self.checkpoint_s = 0.0
@@ -384,6 +394,8 @@ class _Run:
         self.since_checkpoint_s += duration_s
         if self.degraded:
             self.degraded_s += duration_s
+        if self.uncalibrated:
+            self.uncalibrated_s += duration_s
         self.progress += duration_s / self.step_time_s
         whole = int(self.progress)
         if whole:
@@ -443,7 +455,8 @@ class _Run:
             return
         self.num_active_pipelines = layout.num_pipelines
         self.degraded = layout.num_physical_stages < layout.num_stages
-        self.step_time_s = layout_step_time_s(self.config.model, layout)
+        self.step_time_s, calibrated = layout_step_time_s(self.config.model, layout)
+        self.uncalibrated = not calibrated
         self.record()
 
     def pause(self, kind: _PauseKind, duration_s: float) -> None:
@@ -504,6 +517,7 @@ def _finish(
         checkpoint_s=run.checkpoint_s,
         waiting_s=run.waiting_s,
         degraded_s=run.degraded_s,
+        uncalibrated_s=run.uncalibrated_s,
         redone_samples=run.redone_steps * run.samples_per_step,
         num_fatal_failures=num_fatal,
         num_restarts=num_restarts,
