@@ -8,8 +8,12 @@ Examples::
     spotline simulate --sweep 0.01,0.05,0.1,0.2,0.5 --seeds 1000 --nodes 64 --output runs/s
 
 Writes ``results.json`` (atomically, last, one entry per policy), ``results.csv`` and PNG
-plots into ``--output``, prints a table and every assumption used. Bad input prints one
-line ``spotline: error: ...`` on stderr and returns 2 before anything is written.
+plots into ``--output``, prints a table and every assumption used. The ``ideal`` bound and
+the ``on-demand`` baseline are always simulated (added when ``--policies`` leaves them
+out): every row gives its samples as a fraction of the ideal's (``samples_vs_ideal``) and
+its dollars per sample over on-demand's (``cost_per_sample_vs_on_demand``). Bad input
+prints one line ``spotline: error: ...`` on stderr and returns 2 before anything is
+written.
 """
 
 from __future__ import annotations
@@ -45,12 +49,15 @@ from spotline.sim.calibration import (
     load_calibration,
 )
 from spotline.sim.engine import (
+    MAX_STAGES_PER_SLOT,
     POLICIES,
+    REFERENCES,
     PolicyName,
     PolicyResult,
     SimConfig,
     simulate_policies,
     trace_mtbf_s,
+    versus_references,
     young_daly_interval_s,
 )
 from spotline.sim.sweep import Aggregate, sweep
@@ -61,8 +68,10 @@ if TYPE_CHECKING:  # matplotlib is imported only when a plot is drawn (it costs 
 SUMMARY_COLUMNS: tuple[tuple[str, str, str], ...] = (
     # (key, header, format)
     ("samples_per_s", "samples/s", "{:.1f}"),
+    ("samples_vs_ideal", "of ideal", "{:.2f}"),
     ("cost_per_hour", "$/h", "{:.2f}"),
     ("samples_per_usd", "samples/$", "{:.0f}"),
+    ("cost_per_sample_vs_on_demand", "$/sample vs od", "{:.2f}"),
     ("restart_s", "restart s", "{:.0f}"),
     ("reconfigure_s", "reconf s", "{:.0f}"),
     ("redone_samples", "redone samples", "{:.0f}"),
@@ -108,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--policies",
         default=",".join(POLICIES),
-        help=f"comma-separated, from {', '.join(POLICIES)} (default: all)",
+        help=f"comma-separated, from {', '.join(POLICIES)} (default: all; "
+        f"{' and '.join(REFERENCES)} are always added: every row is compared with them)",
     )
     parser.add_argument(
         "--calibration",
@@ -175,6 +185,9 @@ def _parse_policies(text: str) -> tuple[PolicyName, ...]:
             chosen.append(matches[0])
     if not chosen:
         raise UserError(f"--policies is empty; use one of {', '.join(POLICIES)}")
+    # The references of the ratio columns (cheap: no planner, no preemptions), in the
+    # order of the default list.
+    chosen.extend(policy for policy in POLICIES if policy in REFERENCES and policy not in chosen)
     return tuple(chosen)
 
 
@@ -225,6 +238,12 @@ def _assumptions(
             config.spotline_checkpoint_interval_s or calibration.spotline_checkpoint_interval_s
         ),
         "preemption_notice_s (not exploited by any policy)": dict(calibration.preemption_notice_s),
+        "ideal (the bound of the 'of ideal' column)": (
+            "every ready worker from the moment it is ready, in the layout with the shortest "
+            f"step of at most {topology.num_pipelines} pipelines and {MAX_STAGES_PER_SLOT} "
+            "stages a slot (Bamboo's memory limit); no rendezvous, reconfiguration, "
+            "checkpoint or lost work"
+        ),
     }
     slots = config.slots_per_machine
     if slots > 1:  # one slot per node: the assumptions read as before --slots existed
@@ -271,7 +290,11 @@ def _print_assumptions(assumptions: dict[str, Any]) -> None:
 def _format_table(rows: Sequence[tuple[str, dict[str, Any]]], first: str) -> str:
     headers = [first] + [header for _, header, _ in SUMMARY_COLUMNS]
     body = [
-        [label] + [fmt.format(summary[key]) for key, _, fmt in SUMMARY_COLUMNS]
+        [label]
+        + [
+            "-" if summary[key] is None else fmt.format(summary[key])  # None: no number
+            for key, _, fmt in SUMMARY_COLUMNS
+        ]
         for label, summary in rows
     ]
     widths = [max(len(row[i]) for row in [headers, *body]) for i in range(len(headers))]
@@ -284,6 +307,14 @@ def _format_table(rows: Sequence[tuple[str, dict[str, Any]]], first: str) -> str
             )
         )
     return "\n".join(lines)
+
+
+def _with_references(
+    summaries: Mapping[PolicyName, dict[str, float | int | str]],
+) -> dict[PolicyName, dict[str, Any]]:
+    """Each summary with its ratios to the references (:func:`versus_references`)."""
+    relative = versus_references(summaries)
+    return {policy: {**summary, **relative[policy]} for policy, summary in summaries.items()}
 
 
 def _ratios(summaries: Mapping[PolicyName, Mapping[str, Any]]) -> dict[str, float]:
@@ -545,7 +576,7 @@ def _run_trace(
         results.update(simulate_policies(trace, (policy,), recording))
         progress(1)
     progress.close()
-    summaries = {policy: result.summary() for policy, result in results.items()}
+    summaries = _with_references({policy: result.summary() for policy, result in results.items()})
     print(_format_table(list(summaries.items()), "policy"))
     note = uncalibrated_note(summaries.items(), config.model)
     if note:
@@ -626,7 +657,9 @@ def _run_synthetic(
     per_policy: dict[str, list[dict[str, Any]]] = {policy: [] for policy in policies}
     all_ratios: dict[str, dict[str, float]] = {}
     for rate, by_policy in results.items():
-        summaries = {policy: aggregate.summary() for policy, aggregate in by_policy.items()}
+        summaries = _with_references(
+            {policy: aggregate.summary() for policy, aggregate in by_policy.items()}
+        )
         for policy, summary in summaries.items():
             rows.append(summary)
             per_policy[policy].append(summary)

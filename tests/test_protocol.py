@@ -237,7 +237,12 @@ def test_the_runtime_and_the_simulator_share_one_policy_vocabulary() -> None:
 
     from spotline.config import RecoverySection
     from spotline.launch.control.recovery import POLICIES
-    from spotline.plan.policies import RECOVERY_MODES, SIM_POLICIES, SIMULATED_RECOVERY
+    from spotline.plan.policies import (
+        RECOVERY_MODES,
+        SIM_POLICIES,
+        SIMULATED_RECOVERY,
+        SIMULATOR_ONLY,
+    )
     from spotline.sim.engine import POLICIES as SIMULATED
 
     mode = typing.get_type_hints(RecoverySection)["mode"]
@@ -245,9 +250,31 @@ def test_the_runtime_and_the_simulator_share_one_policy_vocabulary() -> None:
     assert tuple(POLICIES) == RECOVERY_MODES
     assert all(policy.name == name for name, policy in POLICIES.items())
     assert SIMULATED == SIM_POLICIES
-    # Every simulated policy but the on-demand baseline runs one of the runtime's policies.
-    assert set(SIMULATED_RECOVERY) == set(SIM_POLICIES) - {"on-demand"}
+    # Every simulated policy but the references (the on-demand baseline, the ideal bound)
+    # runs one of the runtime's policies.
+    assert SIMULATOR_ONLY == ("on-demand", "ideal")
+    assert set(SIMULATED_RECOVERY) == set(SIM_POLICIES) - set(SIMULATOR_ONLY)
+    assert not set(SIMULATOR_ONLY) & set(RECOVERY_MODES)
     assert set(SIMULATED_RECOVERY.values()) == set(RECOVERY_MODES)
+
+
+@pytest.mark.parametrize("name", ["ideal", "on-demand"])
+def test_the_runtime_refuses_a_simulator_only_policy(name: str) -> None:
+    """The references exist only in the simulator: a config that names one as the
+    runtime's recovery mode is refused when it loads, in one line naming the real modes."""
+    from conftest import small_config
+
+    from spotline.config import parse_config
+    from spotline.errors import UserError
+    from spotline.plan.policies import SIMULATOR_ONLY
+
+    assert name in SIMULATOR_ONLY
+    with pytest.raises(UserError) as refused:
+        parse_config(small_config(recovery={"mode": name}))
+    assert str(refused.value) == (
+        f"config key 'spotline.recovery.mode' is \"{name}\"; "
+        'expected "failover" or "checkpoint-restart"'
+    )
 
 
 def test_the_checkpoint_interval_is_the_policy_s() -> None:

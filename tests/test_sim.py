@@ -12,9 +12,9 @@ import pytest
 
 from spotline.launch.simulate import SWEEP_PLOTS, sweep_figures, trace_run_figure
 from spotline.launch.simulate import main as simulate_main
-from spotline.plan.layout import initial_layout
+from spotline.plan.layout import Layout, contiguous_groupings, initial_layout
 from spotline.plan.placement import exposures
-from spotline.plan.policies import SIM_POLICIES, SIMULATED_RECOVERY
+from spotline.plan.policies import SIM_POLICIES, SIMULATED_RECOVERY, SimPolicyName
 from spotline.plan.traces import (
     Trace,
     TraceEvent,
@@ -25,13 +25,17 @@ from spotline.plan.traces import (
 )
 from spotline.sim.calibration import load_calibration
 from spotline.sim.engine import (
+    MAX_STAGES_PER_SLOT,
     POLICIES,
     POLICY_MODELS,
     CheckpointRestartPolicy,
     SimConfig,
+    ideal_layout,
+    layout_step_time_s,
     membership_batches,
     simulate,
     simulate_policies,
+    versus_references,
     young_daly_interval_s,
 )
 from spotline.sim.sweep import sweep
@@ -399,6 +403,7 @@ def test_one_slot_per_machine_is_the_simulator_without_slots(
         "spotline-rigid": 1654752,
         "checkpoint-restart": 995544,
         "on-demand": 2567400,
+        "ideal": 1799688,  # the bound, added with the ideal policy
     }
 
 
@@ -470,3 +475,230 @@ def test_sim_config_refuses_a_slot_count_that_is_not_a_whole_number_above_zero(
 ) -> None:
     with pytest.raises(ValueError, match="slots_per_machine must be an integer >= 1"):
         SimConfig(toy_config.calibration, toy_config.model, 4, slots_per_machine=slots)  # type: ignore[arg-type]
+
+
+# -- the ideal bound and the reference columns ---------------------------------------------
+
+
+def test_the_ideal_layout_is_the_fastest_within_the_memory_limit() -> None:
+    """Against every layout by brute force: each pipeline count up to the job's, each cut of
+    the stages into contiguous groups of at most MAX_STAGES_PER_SLOT (2, Bamboo's)."""
+    gpt2 = load_calibration().model("gpt2")
+    assert MAX_STAGES_PER_SLOT == 2
+    # The fastest step of p pipelines of g physical stages within the limit, by brute force.
+    fastest: dict[tuple[int, int], float] = {}
+    for pipelines in range(1, 9):
+        for physical in range(1, 9):
+            for groups in contiguous_groupings(8, physical):
+                if max(len(group) for group in groups) > MAX_STAGES_PER_SLOT:
+                    continue
+                slots = tuple(tuple(f"{p}.{i}" for i in range(physical)) for p in range(pipelines))
+                step_s, _ = layout_step_time_s(gpt2, Layout(8, pipelines, groups, slots))
+                key = (pipelines, physical)
+                fastest[key] = min(fastest.get(key, math.inf), step_s)
+    for workers in range(0, 80):
+        layout = ideal_layout(gpt2, 8, workers)
+        fits = [step_s for (p, g), step_s in fastest.items() if p * g <= workers]
+        if not fits:
+            assert layout is None and workers < 4  # 8 stages need 4 slots of 2
+            continue
+        assert layout is not None
+        assert layout.num_pipelines * layout.num_physical_stages <= workers
+        assert max(len(group) for group in layout.groups) <= MAX_STAGES_PER_SLOT
+        assert layout_step_time_s(gpt2, layout)[0] == min(fits), workers
+    assert ideal_layout(gpt2, 8, 4) == Layout(
+        8, 1, ((0, 1), (2, 3), (4, 5), (6, 7)), (("w0.0", "w0.1", "w0.2", "w0.3"),)
+    )
+    full = ideal_layout(gpt2, 8, 100)  # more workers than the job's 8 pipelines need
+    # The table measures 1-3 pipelines; beyond, a step is timed by the 3-pipeline row (a
+    # bound that never flatters), so more pipelines are no faster and ties go to fewer.
+    assert full is not None and (full.num_pipelines, full.num_physical_stages) == (3, 8)
+
+
+def test_the_ideal_folds_where_folding_beats_dropping_a_pipeline(toy_config: SimConfig) -> None:
+    # 3 workers, 2 stages: two pipelines folded (1.25 s x 1.5 = 1.875 s) beat one (2.0 s).
+    layout = ideal_layout(toy_config.model, 2, 3)
+    assert layout is not None
+    assert (layout.num_pipelines, layout.groups) == (2, ((0, 1),))
+    assert layout_step_time_s(toy_config.model, layout)[0] == 1.875
+
+
+def test_the_ideal_is_exact_on_a_toy_trace(toy_config: SimConfig) -> None:
+    """4 nodes ready at 45 s train at once (no rendezvous) at 1.25 s a step; n0 preempted at
+    1000.9 s leaves 3, folded into 2 pipelines at 1.875 s a step, until 2000 s. Nothing is
+    lost: 955.9 / 1.25 = 764.72 steps and 999.1 / 1.875 = 532.85 make 1297 whole steps
+    (764 + 532 = 1296 if the step under way were dropped at the change)."""
+    events = tuple(TraceEvent(0.0, "add", f"n{i}") for i in range(4))
+    trace = Trace((*events, TraceEvent(1000.9, "remove", "n0")), 2000.0)
+    config = dataclasses.replace(toy_config, record_timeline=True)
+    result = simulate(trace, "ideal", config)
+    assert result.committed_samples == 12970
+    assert (result.restart_s, result.reconfigure_s, result.checkpoint_s) == (0.0, 0.0, 0.0)
+    assert result.redone_samples == 0 and result.num_fatal_failures == 0
+    assert result.waiting_s == 45.0 and result.running_s == 1955.0
+    assert result.degraded_s == pytest.approx(999.1)
+    assert (result.num_restarts, result.num_failovers, result.num_preemptions) == (0, 0, 1)
+    # Spot nodes at $1/h: 4 nodes to 1000.9 s, 3 to 2000 s.
+    assert result.cost_usd == pytest.approx((4 * 1000.9 + 3 * 999.1) / 3600.0)
+    # From the first ready nodes (the timeline starts with the job's first change).
+    assert [(p.t_s, p.samples_per_s, p.num_active_pipelines) for p in result.timeline] == [
+        (45.0, 8.0, 2),
+        (1000.9, 10 / 1.875, 2),
+    ]
+    # The others on the same trace: below it (each pays a rendezvous at least).
+    for policy in ("spotline", "spotline-rigid", "checkpoint-restart"):
+        assert simulate(trace, policy, config).committed_samples < result.committed_samples
+
+
+def test_the_ideal_waits_below_the_memory_limit() -> None:
+    """8 stages at 2 a slot need 4 workers: with 3 left the ideal waits (no fold of three
+    stages onto one slot), and resumes the moment a fourth is ready."""
+    calibration = load_calibration()
+    config = SimConfig(calibration, calibration.model("gpt2"), 8, record_timeline=True)
+    events = tuple(TraceEvent(0.0, "add", f"n{i}") for i in range(8))
+    removals = tuple(TraceEvent(1000.0, "remove", f"n{i}") for i in range(5))
+    trace = Trace((*events, *removals, TraceEvent(2000.0, "add", "late")), 4000.0)
+    result = simulate(trace, "ideal", config)
+    ready_at = 2000.0 + calibration.node_ready_s
+    assert result.waiting_s == pytest.approx(calibration.node_ready_s + ready_at - 1000.0)
+    rates = [(p.t_s, p.num_active_pipelines) for p in result.timeline]
+    assert rates == [(calibration.node_ready_s, 1), (1000.0, 0), (ready_at, 1)]
+
+
+BOUND_CASES = [
+    # (trace, nodes, slots per node): one slot per node, and machines of several slots.
+    ("p3-trace.csv", 16, 1),
+    ("p3-trace.csv", 64, 1),
+    ("g4dn-trace.csv", 8, 1),
+    ("g4dn-trace.csv", 64, 1),
+    ("p3-trace.csv", 4, 4),
+    ("g4dn-trace.csv", 3, 8),
+]
+
+
+@pytest.mark.parametrize(("trace_name", "num_nodes", "slots"), BOUND_CASES)
+def test_the_ideal_bounds_every_spot_policy_on_the_shipped_traces(
+    trace_name: str, num_nodes: int, slots: int
+) -> None:
+    calibration = load_calibration()
+    config = SimConfig(calibration, calibration.model("gpt2"), num_nodes, slots_per_machine=slots)
+    trace = resize_trace(load_trace(TRACES / trace_name), num_nodes)
+    results = simulate_policies(trace, POLICIES, config)
+    ideal = results["ideal"]
+    assert ideal.restart_s == ideal.reconfigure_s == ideal.checkpoint_s == 0.0
+    assert ideal.redone_samples == 0 and ideal.committed_samples > 0
+    # On-demand is left out: it runs on machines of its own, never preempted, not the trace's.
+    for policy in ("spotline", "spotline-rigid", "checkpoint-restart"):
+        assert results[policy].committed_samples <= ideal.committed_samples, policy
+        assert results[policy].cost_usd == ideal.cost_usd  # the same spot nodes, paid alike
+    # ... so the ideal's dollars per sample are the least of any spot policy's.
+    relative = versus_references({p: r.summary() for p, r in results.items()})
+    assert relative["ideal"]["samples_vs_ideal"] == 1.0
+    assert relative["on-demand"]["cost_per_sample_vs_on_demand"] == 1.0
+    ideal_cost = relative["ideal"]["cost_per_sample_vs_on_demand"]
+    assert ideal_cost is not None
+    for policy in ("spotline", "spotline-rigid", "checkpoint-restart"):
+        fraction = relative[policy]["samples_vs_ideal"]
+        cost = relative[policy]["cost_per_sample_vs_on_demand"]
+        assert fraction is not None and 0 < fraction <= 1
+        assert cost is not None and cost >= ideal_cost
+
+
+def test_versus_references_are_ratios_of_samples_and_of_dollars_per_sample() -> None:
+    summaries: dict[SimPolicyName, dict[str, float | int | str]] = {
+        "spotline": {"samples_per_s": 6.0, "cost_per_hour": 3.0},
+        "checkpoint-restart": {"samples_per_s": 0.0, "cost_per_hour": 3.0},
+        "on-demand": {"samples_per_s": 10.0, "cost_per_hour": 20.0},
+        "ideal": {"samples_per_s": 8.0, "cost_per_hour": 3.0},
+    }
+    relative = versus_references(summaries)
+    # $3/h at 6 samples/s is $1/7200 a sample; on-demand's $20/h at 10/s is $1/1800.
+    assert relative["spotline"] == {
+        "samples_vs_ideal": 0.75,
+        "cost_per_sample_vs_on_demand": 0.25,
+    }
+    assert relative["ideal"] == {
+        "samples_vs_ideal": 1.0,
+        "cost_per_sample_vs_on_demand": 0.1875,
+    }
+    assert relative["on-demand"] == {
+        "samples_vs_ideal": 1.25,
+        "cost_per_sample_vs_on_demand": 1.0,
+    }
+    # No samples: no dollars per sample.
+    assert relative["checkpoint-restart"] == {
+        "samples_vs_ideal": 0.0,
+        "cost_per_sample_vs_on_demand": None,
+    }
+    # A reference missing or without samples: no ratio to it.
+    alone = versus_references({"spotline": summaries["spotline"]})
+    assert alone["spotline"] == {"samples_vs_ideal": None, "cost_per_sample_vs_on_demand": None}
+    idle = {**summaries, "ideal": {"samples_per_s": 0.0, "cost_per_hour": 3.0}}
+    assert versus_references(idle)["spotline"]["samples_vs_ideal"] is None
+
+
+def _table(out: str) -> dict[str, dict[str, str]]:
+    """The results table of ``spotline simulate``'s output: row label -> header -> cell."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if "samples/s" in line)
+    header = lines[start]
+    # Columns are right-aligned: a header ends where its cells end.
+    names = ["$/sample vs od", "of ideal", "samples/s"]
+    ends = {name: header.index(name) + len(name) for name in names}
+    rows: dict[str, dict[str, str]] = {}
+    for line in lines[start + 1 :]:
+        if not line.strip() or ":" in line:
+            break
+        label = line[: header.index("samples/s")].split()
+        rows[" ".join(label)] = {name: line[:end].split()[-1] for name, end in ends.items()}
+    return rows
+
+
+def test_cli_trace_table_compares_every_policy_with_the_ideal_and_on_demand(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "out"
+    args = ["--trace", str(TRACES / "g4dn-trace.csv"), "--nodes", "8", "--output", str(output)]
+    # The references are added when --policies leaves them out.
+    code, out, _ = run_cli([*args, "--policies", "spotline", "--no-progress"], capsys)
+    assert code == 0
+    document = json.loads((output / "results.json").read_text())
+    results = document["results"]
+    assert list(results) == ["spotline", "on-demand", "ideal"]
+    ideal, on_demand = results["ideal"], results["on-demand"]
+    for summary in results.values():
+        assert summary["samples_vs_ideal"] == summary["samples_per_s"] / ideal["samples_per_s"]
+        per_sample = summary["cost_per_hour"] / 3600.0 / summary["samples_per_s"]
+        od_per_sample = on_demand["cost_per_hour"] / 3600.0 / on_demand["samples_per_s"]
+        assert summary["cost_per_sample_vs_on_demand"] == per_sample / od_per_sample
+    table = _table(out)
+    assert list(table) == list(results)
+    assert table["ideal"]["of ideal"] == "1.00"
+    assert table["on-demand"]["$/sample vs od"] == "1.00"
+    for policy, summary in results.items():
+        assert table[policy]["of ideal"] == f"{summary['samples_vs_ideal']:.2f}"
+        cost = summary["cost_per_sample_vs_on_demand"]
+        assert table[policy]["$/sample vs od"] == f"{cost:.2f}"
+    header = (output / "results.csv").read_text().splitlines()[0].split(",")
+    assert {"samples_vs_ideal", "cost_per_sample_vs_on_demand"} <= set(header)
+
+
+def test_cli_sweep_table_compares_every_policy_with_the_ideal_and_on_demand(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "out"
+    args = ["--preempt-rate", "0.5", "--seeds", "2", "--hours", "2", "--nodes", "8"]
+    code, out, _ = run_cli(
+        [*args, "--policies", "spotline", "--output", str(output), "--no-progress"], capsys
+    )
+    assert code == 0
+    results = json.loads((output / "results.json").read_text())["results"]
+    assert list(results) == ["spotline", "on-demand", "ideal"]
+    [ideal], [spot] = results["ideal"], results["spotline"]
+    assert ideal["samples_vs_ideal"] == 1.0
+    assert spot["samples_vs_ideal"] == spot["samples_per_s"] / ideal["samples_per_s"]
+    assert 0 < spot["samples_vs_ideal"] <= 1
+    assert results["on-demand"][0]["cost_per_sample_vs_on_demand"] == 1.0
+    table = _table(out)
+    assert table["0.5 ideal"]["of ideal"] == "1.00"
+    assert table["0.5 spotline"]["of ideal"] == f"{spot['samples_vs_ideal']:.2f}"

@@ -15,8 +15,10 @@ The runtime runs a policy by this name (``spotline.launch.control.recovery``); t
 saying by ``recovery`` which of these it runs) names its policies after the system that
 runs them: ``spotline``
 (failover with elastic logical workers, what the runtime does), ``spotline-rigid`` (failover
-with data parallelism fixed to the configured pipelines), ``checkpoint-restart``, and the
-``on-demand`` baseline, which is no recovery policy (it is never preempted).
+with data parallelism fixed to the configured pipelines), ``checkpoint-restart``, and two
+references that are no recovery policy: the ``on-demand`` baseline (never preempted) and
+the ``ideal`` bound (an oracle that trains on every available worker at no cost of change,
+:data:`SIMULATOR_ONLY`: the runtime has no such policy and its configuration refuses it).
 """
 
 from __future__ import annotations
@@ -30,14 +32,19 @@ CheckpointRestart = Literal["checkpoint-restart"]
 RecoveryMode = Literal[Failover, CheckpointRestart]
 RECOVERY_MODES: tuple[RecoveryMode, ...] = get_args(RecoveryMode)
 
-SimPolicyName = Literal["spotline", "spotline-rigid", CheckpointRestart, "on-demand"]
+Ideal = Literal["ideal"]
+SimPolicyName = Literal["spotline", "spotline-rigid", CheckpointRestart, "on-demand", Ideal]
 """The simulator's policies (see the module docstring)."""
 SIM_POLICIES: tuple[SimPolicyName, ...] = (
     "spotline",
     "spotline-rigid",
     "checkpoint-restart",
     "on-demand",
+    "ideal",
 )
+SIMULATOR_ONLY: tuple[SimPolicyName, ...] = ("on-demand", "ideal")
+"""The simulated policies that run no runtime recovery policy (none in
+:data:`SIMULATED_RECOVERY`): references a results table compares the others with."""
 
 SIMULATED_RECOVERY: Mapping[SimPolicyName, RecoveryMode] = MappingProxyType(
     {
@@ -46,4 +53,5 @@ SIMULATED_RECOVERY: Mapping[SimPolicyName, RecoveryMode] = MappingProxyType(
         "checkpoint-restart": "checkpoint-restart",
     }
 )
-"""The recovery policy each simulated policy runs (``on-demand`` has none: no preemptions)."""
+"""The recovery policy each simulated policy runs (the :data:`SIMULATOR_ONLY` references run
+none: ``on-demand`` is never preempted, ``ideal`` loses nothing by definition)."""

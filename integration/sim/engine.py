@@ -33,6 +33,13 @@ Policies (:data:`POLICIES`), each a :class:`SimPolicy` in :data:`POLICY_MODELS`:
 ``on-demand``
     ``num_stages * (num_workers // num_stages)`` on-demand workers (on whole machines), no
     preemptions, no checkpoints, at the on-demand price.
+``ideal``
+    The upper bound (an oracle, simulator-only): at every instant it trains on the layout
+    of the ready workers with the shortest step (:func:`ideal_layout`: at most the
+    configured pipelines, each slot running at most :data:`MAX_STAGES_PER_SLOT` stages),
+    with no rendezvous, reconfiguration, checkpoint or lost work: a change of capacity
+    changes the step time at once, and the fraction of a step under way carries over. It
+    runs on the trace's spot nodes at the spot price, as the other spot policies do.
 
 Common rules: a node added at t is usable at ``t + node_ready_s`` (a node preempted before
 that never joins); it is paid from t at the spot price until its removal or the end of the
@@ -82,6 +89,15 @@ MIN_CHECKPOINT_INTERVAL_S = 1.0
 """Checkpoint intervals from a rule are at least this (a free checkpoint would otherwise
 make the interval 0)."""
 
+MAX_STAGES_PER_SLOT = 2
+"""Bamboo's memory limit: an accelerator holds its own stage and one replica, so a slot runs
+at most two logical stages. Only the ideal obeys it for now (the planner folds deeper);
+point 2 of issue 14 makes it a configured capacity of the planner, the runtime and every
+simulated policy."""
+
+REFERENCES: tuple[PolicyName, ...] = ("ideal", "on-demand")
+"""The policies every results table compares with (:func:`versus_references`)."""
+
 _Status = Literal["waiting", "paused", "running", "checkpointing"]
 _PauseKind = Literal["restart", "reconfigure"]
 
@@ -99,6 +115,32 @@ def layout_step_time_s(model: ModelCalibration, layout: Layout) -> tuple[float, 
         return base, inside
     degraded, degraded_inside = model.step_time_bound_s(layout.num_pipelines, True)
     return degraded + (degraded - base) * (widest - 2), inside and degraded_inside
+
+
+def ideal_layout(model: ModelCalibration, max_pipelines: int, num_workers: int) -> Layout | None:
+    """The layout with the shortest step (:func:`layout_step_time_s`) that ``num_workers``
+    ready workers allow: for each count of pipelines up to ``max_pipelines`` (the job's
+    logical pipelines), its stages in as many physical stages as the workers allow, folded
+    evenly, no slot running more than :data:`MAX_STAGES_PER_SLOT` stages; None when too few
+    workers for one pipeline within that limit. Ties go to fewer pipelines. Workers are
+    named ``w{p}.{i}`` after their slot; the others stand by (unnamed)."""
+    num_stages = model.num_stages
+    fewest = -(-num_stages // MAX_STAGES_PER_SLOT)  # physical stages within the memory limit
+    best: tuple[float, Layout] | None = None
+    for pipelines in range(1, min(max_pipelines, num_workers // fewest) + 1):
+        physical = min(num_stages, num_workers // pipelines)
+        # Even groups in stage order: the widest holds ceil(S / physical) stages, the fewest
+        # any cut into ``physical`` groups can, and the step time depends on nothing else.
+        sizes = [num_stages // physical + (i < num_stages % physical) for i in range(physical)]
+        bounds = [sum(sizes[:i]) for i in range(physical + 1)]
+        groups = tuple(tuple(range(bounds[i], bounds[i + 1])) for i in range(physical))
+        slots = tuple(tuple(f"w{p}.{i}" for i in range(physical)) for p in range(pipelines))
+        layout = Layout(num_stages, pipelines, groups, slots)
+        assert max(sizes) <= MAX_STAGES_PER_SLOT
+        step_s, _ = layout_step_time_s(model, layout)  # the same bound every policy is timed by
+        if best is None or step_s < best[0]:
+            best = (step_s, layout)
+    return None if best is None else best[1]
 
 
 def young_daly_interval_s(checkpoint_cost_s: float, mtbf_s: float) -> float:
@@ -266,6 +308,43 @@ class PolicyResult:
             "num_preemptions": self.num_preemptions,
             "checkpoint_interval_s": self.checkpoint_interval_s,
         }
+
+
+def versus_references(
+    summaries: Mapping[PolicyName, Mapping[str, float | int | str]],
+) -> dict[PolicyName, dict[str, float | None]]:
+    """Each policy against the :data:`REFERENCES` run on the same trace (or the same seeds):
+    ``samples_vs_ideal``, its samples as a fraction of the ideal's, and
+    ``cost_per_sample_vs_on_demand``, its dollars per sample over on-demand's.
+
+    ``summaries`` are :meth:`PolicyResult.summary` dicts or a sweep's means (every policy
+    over the same duration): samples are compared by ``samples_per_s`` and dollars per
+    sample are ``cost_per_hour / 3600 / samples_per_s``, so over seeds these are ratios of
+    totals (total samples, total dollars), not means of per-seed ratios. A reference missing
+    or without samples, or a policy without samples, gives None (no number)."""
+
+    def number(policy: PolicyName, key: str) -> float:
+        value = summaries[policy][key]
+        assert isinstance(value, int | float), (policy, key, value)
+        return float(value)
+
+    def per_sample(policy: PolicyName) -> float | None:
+        if policy not in summaries or not number(policy, "samples_per_s") > 0:
+            return None
+        return number(policy, "cost_per_hour") / 3600.0 / number(policy, "samples_per_s")
+
+    ideal = number("ideal", "samples_per_s") if "ideal" in summaries else 0.0
+    on_demand = per_sample("on-demand")
+    out: dict[PolicyName, dict[str, float | None]] = {}
+    for policy in summaries:
+        cost = per_sample(policy)
+        out[policy] = {
+            "samples_vs_ideal": number(policy, "samples_per_s") / ideal if ideal > 0 else None,
+            "cost_per_sample_vs_on_demand": (
+                cost / on_demand if cost is not None and on_demand else None
+            ),
+        }
+    return out
 
 
 def membership_batches(
@@ -1013,6 +1092,60 @@ class OnDemandPolicy(CheckpointRestartPolicy):
         return math.inf
 
 
+class IdealPolicy(SimPolicy):
+    """``ideal``: the upper bound (module docstring). It keeps no job state, plans nothing
+    and never fails, so it replays the trace itself (:meth:`simulate`) on the shared
+    training state machine; the per-event hooks of the job-driven policies never run."""
+
+    name: ClassVar[PolicyName] = "ideal"
+    recovery: ClassVar[RecoveryMode | None] = None  # simulator-only: no runtime policy
+    elastic: ClassVar[bool] = True  # it drops pipelines or folds, whichever is faster
+
+    def checkpoint_interval_s(self, trace: Trace, config: SimConfig) -> float:
+        return math.inf  # it loses nothing, so it never checkpoints
+
+    def on_preemption(self, job: _Job, gone: frozenset[Slot]) -> None:
+        raise AssertionError("the ideal drives no _Job (IdealPolicy.simulate)")
+
+    def on_arrival(self, job: _Job) -> None:
+        raise AssertionError("the ideal drives no _Job (IdealPolicy.simulate)")
+
+    def on_checkpoint(self, job: _Job) -> None:
+        raise AssertionError("the ideal drives no _Job (IdealPolicy.simulate)")
+
+    def simulate(self, trace: Trace, config: SimConfig, batches: Batches | None) -> PolicyResult:
+        """Replay ``trace``: after each batch of the membership, the :func:`ideal_layout` of
+        the ready workers from that instant, at no cost. ``num_preemptions`` counts the
+        batches that remove ready nodes (it uses every one it can)."""
+        cluster = self.cluster(trace, config, batches)
+        run = _Run(config, self.checkpoint_interval_s(cluster.trace, config))
+        slots, max_pipelines = config.slots_per_machine, config.topology.num_pipelines
+        layouts: dict[int, Layout | None] = {}  # by ready workers: a trace repeats its counts
+        ready: set[str] = set()
+        current: Layout | None = None
+        num_preemptions = 0
+        for t_s, removed, arrived in cluster.batches:
+            run.advance(t_s)
+            ready.difference_update(removed)
+            ready.update(arrived)
+            if removed:
+                num_preemptions += 1
+            run.num_ready = len(ready)
+            workers = len(ready) * slots
+            if workers not in layouts:
+                layouts[workers] = ideal_layout(config.model, max_pipelines, workers)
+            layout = layouts[workers]
+            if layout != current:
+                if current is None:
+                    # Leave waiting at once: a pause of zero seconds is a free start.
+                    run.pause("reconfigure", 0.0)
+                run.set_layout(layout)
+                current = layout
+            run.check((), removed, arrived)
+        counters = (0, 0, 0, num_preemptions)
+        return _finish(run, self.name, cluster.trace.duration_s, cluster.cost_usd, counters)
+
+
 POLICY_MODELS: Mapping[PolicyName, SimPolicy] = MappingProxyType(
     {
         policy.name: policy
@@ -1021,6 +1154,7 @@ POLICY_MODELS: Mapping[PolicyName, SimPolicy] = MappingProxyType(
             RigidSpotlinePolicy(),
             CheckpointRestartPolicy(),
             OnDemandPolicy(),
+            IdealPolicy(),
         )
     }
 )

@@ -2,7 +2,9 @@
 
 Default: 64 nodes of GPT-2 (8 stages x 8 pipelines), preemption rates 0.01 .. 0.5 per
 node-hour (8 rates), 1,000 seeds each, 12 simulated hours per seed, every policy, on 2
-processes. The target is under 2 minutes on 2 cores. Run::
+processes (the ideal bound among them, the reference of each policy's fraction of the
+ideal, beside each one's dollars per sample over on-demand's). The target is under 2
+minutes on 2 cores. Run::
 
     python -m spotline.launch.bench.sim_sweep [--seeds 1000] [--workers 2] [--hours 12]
 """
@@ -14,10 +16,14 @@ import os
 import time
 
 from spotline.sim.calibration import load_calibration
-from spotline.sim.engine import POLICIES, SimConfig
+from spotline.sim.engine import POLICIES, SimConfig, versus_references
 from spotline.sim.sweep import sweep
 
 RATES: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,8 +54,12 @@ def main(argv: list[str] | None = None) -> int:
         f"(cpu count {os.cpu_count()}): {elapsed:.1f} s"
     )
     for rate, by_policy in results.items():
+        relative = versus_references({p: a.summary() for p, a in by_policy.items()})
         cells = "  ".join(
-            f"{policy} {aggregate.get('samples_per_s'):7.1f} sps {aggregate.get('samples_per_usd'):7.0f} s/$"
+            f"{policy} {aggregate.get('samples_per_s'):7.1f} sps "
+            f"({_ratio(relative[policy]['samples_vs_ideal'])} of ideal) "
+            f"{aggregate.get('samples_per_usd'):7.0f} s/$ "
+            f"({_ratio(relative[policy]['cost_per_sample_vs_on_demand'])} $/sample vs od)"
             for policy, aggregate in by_policy.items()
         )
         print(f"rate {rate:<5g} {cells}")
