@@ -61,10 +61,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar, Literal
 
+from spotline.plan.capacity import DEFAULT_STAGES_PER_WORKER, Capacity
 from spotline.plan.layout import (
     FatalLoss,
     Holding,
     Layout,
+    WaitForCapacity,
     WorkerReport,
     initial_layout,
     member_holdings,
@@ -119,7 +121,10 @@ class SimConfig:
     number of nodes (machines) the job asks for and the slots (workers) of each (its logical
     topology is ``num_stages`` x ``num_nodes * slots_per_machine // num_stages``), optional
     checkpoint intervals (None: the policy's rule), whether to record a timeline for plots
-    (off for sweeps: it costs time) and whether to record every layout planned (for tests)."""
+    (off for sweeps: it costs time), whether to record every layout planned (for tests),
+    and the logical stages one worker's memory holds (``stages_per_worker``, its own and
+    its replicas: the runtime's ``spotline.redundancy.stages_per_worker``, every policy
+    under the same limit: :meth:`SimPolicy.capacity`)."""
 
     calibration: Calibration
     model: ModelCalibration
@@ -129,8 +134,12 @@ class SimConfig:
     record_timeline: bool = False
     slots_per_machine: int = 1
     record_layouts: bool = False
+    stages_per_worker: int = DEFAULT_STAGES_PER_WORKER
 
     def __post_init__(self) -> None:
+        # One rule with the runtime's spotline.redundancy.stages_per_worker (its one-line
+        # ValueError): the Spotline policies keep a replica beside each worker's stage.
+        Capacity(self.stages_per_worker, replicas=True)
         # bool is an int to Python; a slot count of True is a mistake, not 1.
         if type(self.slots_per_machine) is not int or self.slots_per_machine < 1:
             raise ValueError(
@@ -570,29 +579,43 @@ class _RuntimePlanner:
     """
 
     # Shared by every run of a process (a sweep runs thousands): the planner is pure.
-    _plans: ClassVar[dict[tuple[object, ...], _Plan | None | FatalLoss]] = {}
+    _plans: ClassVar[dict[tuple[object, ...], _Plan | None | WaitForCapacity | FatalLoss]] = {}
 
-    def __init__(self, num_stages: int, num_pipelines: int, *, elastic: bool) -> None:
+    def __init__(
+        self, num_stages: int, num_pipelines: int, *, elastic: bool, capacity: Capacity
+    ) -> None:
         self.num_stages = num_stages
         self.num_pipelines = num_pipelines
         self.elastic = elastic
+        self.capacity = capacity
 
     def initial(self, num_workers: int, machines: Sequence[str] | None = None) -> _Plan | None:
         """A start from nothing (first start, or the restart after a fatal loss) on
         ``num_workers`` ready workers; ``machines``: the machine of each (None: not said)."""
         partition = None if machines is None else _partition(machines)
-        key: tuple[object, ...] = (self.num_stages, self.num_pipelines, self.elastic, num_workers)
+        key: tuple[object, ...] = (
+            self.num_stages,
+            self.num_pipelines,
+            self.elastic,
+            self.capacity,
+            num_workers,
+        )
         if partition is not None:
             key += (partition,)
         if key not in self._plans:
             idle = [f"i{k}" for k in range(num_workers)]
             said = None if partition is None else dict(zip(idle, _named(partition), strict=True))
             layout = initial_layout(
-                self.num_stages, self.num_pipelines, idle, elastic=self.elastic, machines=said
+                self.num_stages,
+                self.num_pipelines,
+                idle,
+                elastic=self.elastic,
+                machines=said,
+                capacity=self.capacity,
             )
             self._plans[key] = None if layout is None else _Plan.of(layout)
         planned = self._plans[key]
-        assert not isinstance(planned, FatalLoss)
+        assert not isinstance(planned, (FatalLoss, WaitForCapacity))
         return planned
 
     def replan(
@@ -601,9 +624,10 @@ class _RuntimePlanner:
         lost: frozenset[Slot],
         num_idle: int,
         machines: tuple[Mapping[Slot, str], Sequence[str]] | None = None,
-    ) -> _Plan | None | FatalLoss:
+    ) -> _Plan | None | WaitForCapacity | FatalLoss:
         """The next generation after ``last`` (canonical), whose slots ``lost`` are gone,
-        with ``num_idle`` idle nodes: a plan, None (waiting for nodes), or a FatalLoss.
+        with ``num_idle`` idle nodes: a plan, None (waiting for nodes), a wait for capacity
+        (the survivors hold the state, too few to hold it within capacity) or a FatalLoss.
         ``machines``: the machine of each of ``last``'s slots and of each idle node (None:
         not said)."""
         survivors = [
@@ -621,6 +645,7 @@ class _RuntimePlanner:
             self.num_stages,
             self.num_pipelines,
             self.elastic,
+            self.capacity,
             last.groups,
             last.num_pipelines,
             lost,
@@ -639,9 +664,14 @@ class _RuntimePlanner:
                     for report, machine in zip(reports, _named(partition), strict=True)
                 ]
             result = plan_generation(
-                0, self.num_stages, self.num_pipelines, reports, elastic=self.elastic
+                0,
+                self.num_stages,
+                self.num_pipelines,
+                reports,
+                elastic=self.elastic,
+                capacity=self.capacity,
             )
-            if isinstance(result, FatalLoss):
+            if isinstance(result, (FatalLoss, WaitForCapacity)):
                 self._plans[key] = result
             else:
                 self._plans[key] = None if result.layout is None else _Plan.of(result.layout, held)
@@ -709,7 +739,10 @@ class _Job:
         self.topology = config.topology
         self.run = _Run(config, interval_s)
         self.planner = _RuntimePlanner(
-            self.topology.num_stages, self.topology.num_pipelines, elastic=policy.elastic
+            self.topology.num_stages,
+            self.topology.num_pipelines,
+            elastic=policy.elastic,
+            capacity=policy.capacity(config),
         )
         self.slots_per_machine = config.slots_per_machine
         self.machine_of: dict[str, str] = {}
@@ -845,6 +878,11 @@ class SimPolicy(ABC):
         """The fewest ready workers a (re)start is tried with (the planner may want more)."""
         return 1
 
+    def capacity(self, config: SimConfig) -> Capacity:
+        """What one worker holds at most: ``config.stages_per_worker`` logical stages, its
+        own and its successor's replica (Bamboo's redundancy)."""
+        return Capacity(config.stages_per_worker, replicas=True)
+
     def restart_cost_s(self, config: SimConfig, *, first: bool) -> float:
         """The pause of a (re)start: rendezvous, plus loading a checkpoint after the first."""
         cost: float = config.calibration.fatal_rendezvous_s
@@ -925,8 +963,10 @@ class SpotlinePolicy(SimPolicy):
                 ),
             )
             job.start()
-        elif result is None:
-            run.set_layout(None)  # too few nodes: wait, the survivors keep the state
+        elif result is None or isinstance(result, WaitForCapacity):
+            # Too few nodes (for the pipelines, or to hold the model within capacity): wait,
+            # the survivors keep the state.
+            run.set_layout(None)
         else:
             job.members, job.lost = _Members(result, members.by_slot, idle), set()
             job.record_layout()
@@ -960,8 +1000,11 @@ class CheckpointRestartPolicy(SimPolicy):
             interval = young_daly_interval_s(config.model.checkpoint_save_s, trace_mtbf_s(trace))
         return max(interval, MIN_CHECKPOINT_INTERVAL_S)
 
-    def min_start_nodes(self, topology: Topology) -> int:
-        return topology.num_stages
+    def capacity(self, config: SimConfig) -> Capacity:
+        # The same memory per worker, no replicas in it: a worker runs up to
+        # stages_per_worker stages, so fewer nodes than stages still train where they fit
+        # (the planner's start then waits below Capacity.fewest_workers).
+        return Capacity(config.stages_per_worker, replicas=False)
 
     def on_preemption(self, job: _Job, gone: frozenset[Slot]) -> None:
         job.run.rollback()
@@ -972,10 +1015,19 @@ class CheckpointRestartPolicy(SimPolicy):
 
     def on_checkpoint(self, job: _Job) -> None:
         # The checkpoint was just written: growing redoes nothing, only the restart costs.
-        members, num_stages = job.members, job.topology.num_stages
-        if members is not None and members.layout.num_pipelines < job.topology.num_pipelines:
-            if len(job.ready) // num_stages > members.layout.num_pipelines:
-                job.start()
+        members, topology = job.members, job.topology
+        if members is None:
+            return
+        # The elastic start's shape on the ready workers (spotline.plan.layout): more
+        # pipelines, or more physical stages for a layout that folds stages, is a growth.
+        ready = len(job.ready)
+        pipelines = max(1, min(topology.num_pipelines, ready // topology.num_stages))
+        physical = min(topology.num_stages, ready // pipelines)
+        shape = members.layout
+        if pipelines > shape.num_pipelines or (
+            pipelines == shape.num_pipelines and physical > shape.num_physical_stages
+        ):
+            job.start()
 
 
 class OnDemandPolicy(CheckpointRestartPolicy):
