@@ -79,10 +79,11 @@ class RedundancySection:
     # Compare every replica with its owner (digests of parameters and optimizer state)
     # after every step: a correctness check that costs one small all-gather per step.
     verify_replicas: bool = False
-    # Memory: the most logical stages one worker holds, its own and its successor's replica
-    # (2: one stage and one replica, as Bamboo). The planner never lays out more on a
-    # worker; a membership too small waits for workers (or falls back to the checkpoint
-    # if a stage's state is lost). More where an accelerator's memory permits.
+    # Memory: room for this many logical stages on one worker (2: its stage and its
+    # successor's replica, as Bamboo; a takeover runs the replica's stage in that room). The
+    # planner never gives a worker more stages to run; a membership too small waits for
+    # workers (or falls back to the checkpoint if a stage's state is lost). More where an
+    # accelerator's memory permits.
     stages_per_worker: int = DEFAULT_STAGES_PER_WORKER
 
 

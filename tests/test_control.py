@@ -173,11 +173,11 @@ class Waits(Loop):
 
 
 def test_too_few_survivors_for_the_memory_limit_wait_with_the_state_kept(tmp_path: Path) -> None:
-    """Issue 14: four stages in one pipeline, w2 lost. Two stages per worker (the default,
-    replicas included): no worker may run stages 1 and 2 beside a replica, so the coordinator
-    publishes no layout, says so (an event, in summary.json too) and waits for an arrival;
-    nothing falls back. Three per worker: w1 runs stages 1 and 2."""
-    for stages_per_worker in (2, 3):
+    """Issue 14: four stages run by two workers, two each (each holds the other's stages as
+    its replica); one lost. Two stages per worker (the default): the survivor may not run
+    all four, so the coordinator publishes no layout, says so (an event, in summary.json
+    too) and waits for an arrival; nothing falls back. Four per worker: it runs all four."""
+    for stages_per_worker in (2, 4):
         cfg = parse_config(
             small_config(
                 topology={"stages": 4, "workers": 4},
@@ -187,25 +187,25 @@ def test_too_few_survivors_for_the_memory_limit_wait_with_the_state_kept(tmp_pat
         planner, store, metrics = _planner(cfg, tmp_path / str(stages_per_worker))
         loop = Waits([planner])
         planner.conductor = loop
-        layout = initial_layout(4, 1, ["w0", "w1", "w2", "w3"], elastic=True)
-        assert layout is not None
+        layout = initial_layout(4, 1, ["w0", "w1"], elastic=True)
+        assert layout is not None and layout.groups == ((0, 1), (2, 3))
         held = member_holdings(layout, 5, replicas=True)
-        reports = [WorkerReport(w, held[w], layout.slot_of(w)) for w in ("w0", "w1", "w3")]
         metrics.note_preemption()
-        POLICIES["failover"].recover(planner, reports, reached=6, ready_t=0.0)
+        survivor = [WorkerReport("w0", held["w0"], layout.slot_of("w0"))]
+        POLICIES["failover"].recover(planner, survivor, reached=6, ready_t=0.0)
         plan = Plan.decode(store.get(plan_key(1)))
         kinds = [e.kind for e in metrics.events]
         if stages_per_worker == 2:
             assert plan.layout is None and plan.resume_step == 5 and loop.waits == 1
             assert kinds == ["waiting-for-capacity"]
             assert metrics.events[0].detail == {
-                "live": 3,
-                "needed": 4,
+                "live": 1,
+                "needed": 2,
                 "stages": 4,
                 "stages_per_worker": 2,
             }
             assert metrics.fallbacks == 0 and planner.layout is None
         else:
             assert plan.layout is not None and loop.waits == 0
-            assert plan.layout.groups == ((0,), (1, 2), (3,))
+            assert plan.layout.groups == ((0, 1, 2, 3),) and plan.resume_step == 5
             assert "waiting-for-capacity" not in kinds and metrics.fallbacks == 0

@@ -1,28 +1,26 @@
-"""Memory capacity: how many logical stages one worker can hold, its own and its replicas.
+"""Memory capacity: how many logical stages one worker can hold, its own and its replica.
 
-A worker (one slot: one accelerator) holds the logical stages of its physical stage and, with
-Bamboo's redundancy on, the replica of its successor physical stage's (the last physical
-stage holds the first's; a single physical stage has no replica:
-:func:`spotline.plan.placement.replica_of`). A real accelerator holds its own stage and one
-replica (Bamboo), so the default capacity is 2 stages; the configuration
-(``spotline.redundancy.stages_per_worker``) may allow more where memory permits.
+A worker (one slot: one accelerator) has room for ``C`` logical stages
+(``spotline.redundancy.stages_per_worker``; default 2, Bamboo's: its own stage and one
+replica). In the steady state, one stage per worker, the second place holds the replica of
+the successor physical stage (:func:`spotline.plan.placement.replica_of`); a takeover runs
+the lost stage from that replica in that same place (Bamboo's failover: the predecessor
+runs two stages). So a worker may *run* up to ``C`` stages, and its replica counts only in
+the room its own stages leave: a layout that would have some worker run more than ``C``
+(the old planner folded all 8 stages of a model onto one node) is never produced. A
+membership too small for that waits for workers while every stage's state survives, and
+falls back to the checkpoint when some stage's state is lost. With redundancy on, ``C`` is
+at least 2 (the steady state's stage and replica). The rule is the same for every
+recovery policy: the checkpoint-restart baseline keeps no replica and runs up to ``C``
+stages on a worker as well.
 
-The planner (:mod:`spotline.plan.layout`) never produces a layout in which some worker
-holds more than its capacity: a membership too small to hold the model within it waits
-for workers while every stage's state survives, and falls back to the checkpoint when some
-stage's state is lost. With the default capacity and redundancy on, a worker never runs two
-stages (two of its own and a replica would be three): too few workers for one stage each
-is a wait, not a fold.
+What the runtime keeps beyond that: a worker running ``C`` stages still holds its
+successor's replica (the ring of replicas is uniform), in host memory with the default
+``spotline.redundancy.replica_device`` ("host"); that replica is not counted.
 
-Which groupings fit: ``n`` physical stages cut the ``S`` logical stages into a cyclic
-sequence of ``n`` group sizes summing to ``S`` (any composition of ``S`` into ``n`` parts is
-a contiguous grouping). Without replicas each size must be at most ``C``: possible exactly
-when ``S <= n * C``. With replicas, ``n <= 2`` makes every worker hold all ``S`` stages
-(``S <= C``); for ``n >= 3`` each pair of cyclically adjacent sizes must sum to at most
-``C``, so ``2 * S <= n * C``, and ``floor(n * C / 2)`` is reached (all ``C / 2`` for an even
-``C``; for an odd ``C``, ``(C + 1) / 2`` and ``(C - 1) / 2`` alternating, with one extra
-``(C - 1) / 2`` closing an odd cycle): possible exactly when ``S <= floor(n * C / 2)``
-(:func:`Capacity.allows`, checked against every grouping in tests/test_capacity.py).
+Which shapes fit: ``n`` physical stages cut the ``S`` logical stages into ``n`` contiguous
+groups, and some grouping has every group at most ``C`` exactly when ``S <= n * C``
+(:meth:`Capacity.allows`); the fewest physical stages are ``ceil(S / C)``.
 
 Pure code (no torch).
 """
@@ -40,8 +38,8 @@ DEFAULT_STAGES_PER_WORKER = 2
 
 @dataclass(frozen=True)
 class Capacity:
-    """At most ``stages_per_worker`` logical stages on one worker, counting the replicas it
-    holds when ``replicas`` (redundancy on)."""
+    """Room for ``stages_per_worker`` logical stages on one worker; ``replicas``: redundancy
+    is on, so the steady state's replica needs one of those places."""
 
     stages_per_worker: int = DEFAULT_STAGES_PER_WORKER
     replicas: bool = True
@@ -58,31 +56,35 @@ class Capacity:
                 "worker holds its own stage and a replica: use at least 2, or redundancy off"
             )
 
-    def held(self, groups: Sequence[Sequence[int]], index: int) -> int:
-        """Logical stages a worker of physical stage ``index`` holds in a layout of ``groups``."""
+    def keeps_replica(self, groups: Sequence[Sequence[int]], index: int) -> bool:
+        """Whether a worker of physical stage ``index`` has room for its successor's replica
+        beside the stages it runs (a single physical stage has no replica)."""
         successor = replica_of(index, len(groups)) if self.replicas else None
-        return len(groups[index]) + (len(groups[successor]) if successor is not None else 0)
+        return (
+            successor is not None
+            and len(groups[index]) + len(groups[successor]) <= self.stages_per_worker
+        )
+
+    def held(self, groups: Sequence[Sequence[int]], index: int) -> int:
+        """Logical stages counted against a worker of physical stage ``index``: those it
+        runs, and its successor's replica where they leave room for it."""
+        successor = replica_of(index, len(groups))
+        replica = len(groups[successor]) if successor is not None else 0
+        return len(groups[index]) + (replica if self.keeps_replica(groups, index) else 0)
 
     def fits(self, groups: Sequence[Sequence[int]]) -> bool:
-        """Whether every worker of a layout of ``groups`` holds at most its capacity."""
-        return all(self.held(groups, i) <= self.stages_per_worker for i in range(len(groups)))
+        """Whether no worker of a layout of ``groups`` runs more stages than it has room for."""
+        return all(len(group) <= self.stages_per_worker for group in groups)
 
     def allows(self, num_stages: int, num_physical: int) -> bool:
         """Whether some grouping of ``num_stages`` logical stages into ``num_physical``
-        physical stages fits (the module docstring proves the bound)."""
+        physical stages fits (the module docstring)."""
         assert 1 <= num_physical <= num_stages
-        capacity = self.stages_per_worker
-        if not self.replicas:
-            return num_stages <= num_physical * capacity
-        if num_physical <= 2:
-            return num_stages <= capacity  # every worker holds every stage
-        return num_stages <= num_physical * capacity // 2
+        return num_stages <= num_physical * self.stages_per_worker
 
     def fewest_physical_stages(self, num_stages: int) -> int:
-        """The fewest physical stages a layout of ``num_stages`` within capacity needs (as
-        many as stages at most: one stage per worker always fits, ``stages_per_worker >= 2``
-        with replicas)."""
-        return next(n for n in range(1, num_stages + 1) if self.allows(num_stages, n))
+        """The fewest physical stages a layout of ``num_stages`` within capacity needs."""
+        return -(-num_stages // self.stages_per_worker)  # ceil
 
     def fewest_workers(self, num_stages: int, num_pipelines: int, *, elastic: bool) -> int:
         """The fewest live workers for which the planner finds a layout within capacity:
@@ -92,6 +94,5 @@ class Capacity:
         return fewest if elastic else fewest * num_pipelines
 
     def describe(self) -> str:
-        """``"2 stages per worker (own + replicas)"``, for messages."""
-        what = "own + replicas" if self.replicas else "own, redundancy off"
-        return f"{self.stages_per_worker} stage(s) per worker ({what})"
+        """``"2 stage(s) per worker"``, for messages."""
+        return f"{self.stages_per_worker} stage(s) per worker"

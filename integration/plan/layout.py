@@ -37,12 +37,12 @@ Rules (all deterministic; pure code, no torch):
   a stage already checked. Members too few to hold every stage (rigid pipelines, holdings
   spread thin): a fatal loss naming the stage left without a source.
 - Capacity. Given a :class:`~spotline.plan.capacity.Capacity` (the runtime and the simulator
-  always give one: ``spotline.redundancy.stages_per_worker``, default 2), only groupings in
-  which every worker holds at most that many logical stages, its own and its successor's
-  replica, are considered. Too few workers for any such grouping of the shape: a
-  :class:`WaitForCapacity` when every stage's state survives (nothing trains until workers
-  arrive), a fatal loss when not. With enough workers for one stage each, the capacity
-  changes no plan.
+  always give one: ``spotline.redundancy.stages_per_worker``, default 2: a stage and its
+  successor's replica, or two stages after a takeover), only groupings in which no worker
+  runs more logical stages than that are considered. Too few workers for any such grouping
+  of the shape: a :class:`WaitForCapacity` when every stage's state survives (nothing
+  trains until workers arrive), a fatal loss when not. Where the planner without a
+  capacity would run at most that many stages on a worker, the plan is the same.
 - Machines. Where the reports say their machines (``WorkerReport.machine``) and there are
   two or more, the chosen layout is re-placed so that no machine holds every copy of a
   stage, whenever the shape allows it (``spotline.plan.placement``); the plan lists the

@@ -11,7 +11,9 @@ Policies (:data:`POLICIES`), each a :class:`SimPolicy` in :data:`POLICY_MODELS`:
     ``reconfigure_s``, and nothing is redone (the replica holder replays the in-flight
     step). Too few nodes for a full layout drop whole pipelines first (the global batch is
     fixed, so each step is slower), then fold stages onto fewer workers (the busiest worker
-    sets the pace: :func:`layout_step_time_s`). Waiting for nodes keeps the state. Only a
+    sets the pace: :func:`layout_step_time_s`), at most ``SimConfig.stages_per_worker`` on
+    one (the memory limit, :mod:`spotline.plan.capacity`); fewer workers wait. Waiting for
+    nodes keeps the state. Only a
     :class:`~spotline.plan.layout.FatalLoss` (a stage no survivor holds) rolls back to the
     last checkpoint and pays ``fatal_rendezvous_s + checkpoint_load_s``. Checkpoints every
     ``spotline_checkpoint_interval_s`` of training until the first fatal loss; after k
@@ -25,11 +27,14 @@ Policies (:data:`POLICIES`), each a :class:`SimPolicy` in :data:`POLICY_MODELS`:
 ``checkpoint-restart``
     Whenever a node that runs a stage is preempted, every node restarts from the last
     checkpoint (``fatal_rendezvous_s + checkpoint_load_s``, work since the checkpoint is
-    redone) on the planner's initial layout of the ready nodes (whole pipelines only). Checkpoints every
+    redone) on the planner's initial layout of the ready nodes (whole pipelines first, then
+    up to ``stages_per_worker`` stages on a worker, the Spotline policies' limit; fewer
+    workers wait). Checkpoints every
     ``sqrt(2 * checkpoint_save_s * MTBF)`` seconds of training (Young/Daly) where MTBF is the
     replayed trace's duration over its number of preemption instants (or an interval given
     in :class:`SimConfig`). Nodes that arrive while it runs join at the next checkpoint if
-    they make another pipeline (the checkpoint was just written, so nothing is redone).
+    they make another pipeline, or unfold stages (the checkpoint was just written, so
+    nothing is redone).
 ``on-demand``
     ``num_stages * (num_workers // num_stages)`` on-demand workers (on whole machines), no
     preemptions, no checkpoints, at the on-demand price.
@@ -44,7 +49,8 @@ the runtime's rule (:mod:`spotline.plan.placement`: no machine holds every copy 
 where the shape allows it); with K = 1 every worker is its own machine, which the rule
 cannot improve on, so the planner is called exactly as before. Training starts (and
 restarts after waiting) with a ``fatal_rendezvous_s`` rendezvous once at least one
-pipeline's worth of workers is ready; fewer ready workers than stages means waiting. The global batch is fixed (``samples_per_step``), so fewer active pipelines make
+pipeline's worth of workers is ready within the memory limit (``ceil(num_stages /
+stages_per_worker)`` workers; fewer means waiting). The global batch is fixed (``samples_per_step``), so fewer active pipelines make
 each step slower, not smaller. Preemption notices are not exploited by any policy (the
 same for all; conservative). Progress is counted in whole steps: a step commits when it
 ends. Conservation is asserted: no preempted node is placed, ``trained == committed +
@@ -122,9 +128,9 @@ class SimConfig:
     topology is ``num_stages`` x ``num_nodes * slots_per_machine // num_stages``), optional
     checkpoint intervals (None: the policy's rule), whether to record a timeline for plots
     (off for sweeps: it costs time), whether to record every layout planned (for tests),
-    and the logical stages one worker's memory holds (``stages_per_worker``, its own and
-    its replicas: the runtime's ``spotline.redundancy.stages_per_worker``, every policy
-    under the same limit: :meth:`SimPolicy.capacity`)."""
+    and the logical stages one worker has room for (``stages_per_worker``: a stage and its
+    replica, or the stages it runs: the runtime's ``spotline.redundancy.stages_per_worker``,
+    every policy under the same limit: :meth:`SimPolicy.capacity`)."""
 
     calibration: Calibration
     model: ModelCalibration
@@ -879,8 +885,8 @@ class SimPolicy(ABC):
         return 1
 
     def capacity(self, config: SimConfig) -> Capacity:
-        """What one worker holds at most: ``config.stages_per_worker`` logical stages, its
-        own and its successor's replica (Bamboo's redundancy)."""
+        """Room for ``config.stages_per_worker`` logical stages on a worker: a stage and its
+        successor's replica (Bamboo's redundancy), or up to that many stages it runs."""
         return Capacity(config.stages_per_worker, replicas=True)
 
     def restart_cost_s(self, config: SimConfig, *, first: bool) -> float:
@@ -1001,9 +1007,9 @@ class CheckpointRestartPolicy(SimPolicy):
         return max(interval, MIN_CHECKPOINT_INTERVAL_S)
 
     def capacity(self, config: SimConfig) -> Capacity:
-        # The same memory per worker, no replicas in it: a worker runs up to
+        # The same memory per worker, no replica in it: a worker runs up to
         # stages_per_worker stages, so fewer nodes than stages still train where they fit
-        # (the planner's start then waits below Capacity.fewest_workers).
+        # (the planner's start waits below Capacity.fewest_workers, as Spotline's does).
         return Capacity(config.stages_per_worker, replicas=False)
 
     def on_preemption(self, job: _Job, gone: frozenset[Slot]) -> None:
