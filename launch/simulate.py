@@ -101,9 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--stages-per-worker",
         type=_stages_per_worker,
         metavar="C",
-        help="logical stages one worker's memory holds, its own and its replica (default 2, "
-        "as Bamboo): the Spotline policies wait rather than hold more, checkpoint-restart "
-        "(no replicas) runs up to C stages on a worker",
+        help="room for C logical stages on a worker (default 2: a stage and its replica, as "
+        "Bamboo): no policy runs more than C stages on a worker, so fewer than "
+        "ceil(stages / C) workers wait",
     )
     parser.add_argument("--model", default="gpt2", help="a model of the calibration table")
     parser.add_argument("--output", type=Path, required=True, help="directory for the results")

@@ -326,7 +326,7 @@ def _choose_layout(
     failed: FatalLoss | None = None
     for groups in contiguous_groupings(num_stages, num_physical):
         if capacity is not None and not capacity.fits(groups):
-            continue  # some worker would hold more stages than its memory takes
+            continue  # some worker would run more stages than its memory has room for
         assigned = _assign(num_stages, num_pipelines, groups, workers, previous, usable)
         if isinstance(assigned, FatalLoss):
             failed = failed or assigned
