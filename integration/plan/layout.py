@@ -478,7 +478,7 @@ def plan_generation(
     """The next generation from the live workers' reports (failure, arrival or departure).
 
     With a ``capacity`` (the runtime's and the simulator's calls), no worker of the plan
-    holds more logical stages than it allows: when the live workers cannot, the answer is
+    runs more logical stages than it has room for: when the live workers cannot, the answer is
     :class:`WaitForCapacity` if every stage's state survives, a :class:`FatalLoss` (fall back
     to the checkpoint) if not. Without one (None), layouts fold stages without limit."""
     state = committed_state(reports, num_stages)
