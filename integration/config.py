@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Final, Literal, TypeVar, Union
 
 from spotline.errors import UserError
+from spotline.plan.capacity import DEFAULT_STAGES_PER_WORKER, Capacity
 from spotline.plan.chaos import parse_rescales
 from spotline.plan.policies import RecoveryMode
 
@@ -78,6 +79,12 @@ class RedundancySection:
     # Compare every replica with its owner (digests of parameters and optimizer state)
     # after every step: a correctness check that costs one small all-gather per step.
     verify_replicas: bool = False
+    # Memory: room for this many logical stages on one worker (2: its stage and its
+    # successor's replica, as Bamboo; a takeover runs the replica's stage in that room). The
+    # planner never gives a worker more stages to run; a membership too small waits for
+    # workers (or falls back to the checkpoint if a stage's state is lost). More where an
+    # accelerator's memory permits.
+    stages_per_worker: int = DEFAULT_STAGES_PER_WORKER
 
 
 @dataclass(frozen=True)
@@ -216,6 +223,13 @@ class RunConfig:
     def num_physical_pipelines(self) -> int:
         """Pipelines the starting processes form (``workers // stages``)."""
         return self.num_workers // self.num_stages
+
+    @property
+    def capacity(self) -> Capacity:
+        """What one worker holds at most, for the planner (``redundancy.stages_per_worker``,
+        replicas counted unless ``redundancy.mode`` is off)."""
+        redundancy = self.spotline.redundancy
+        return Capacity(redundancy.stages_per_worker, replicas=redundancy.mode != "off")
 
     @property
     def samples_per_step(self) -> int:
@@ -418,6 +432,23 @@ def _positive(path: str, value: int | None) -> None:
         raise UserError(f"config key '{path}' is {value}; expected a positive integer")
 
 
+def _check_capacity(redundancy: RedundancySection) -> None:
+    """``redundancy.stages_per_worker``: at least 1, and 2 with redundancy on (a worker holds
+    its own stage and its successor's replica)."""
+    stages = redundancy.stages_per_worker
+    if stages < 1:
+        raise UserError(
+            f"config key 'spotline.redundancy.stages_per_worker' is {stages}; expected an "
+            "integer >= 1 (logical stages one worker holds, its own and its replicas)"
+        )
+    if stages < 2 and redundancy.mode != "off":
+        raise UserError(
+            f"config key 'spotline.redundancy.stages_per_worker' is {stages} but redundancy "
+            f"mode {redundancy.mode!r} keeps a replica beside each worker's own stage; use at "
+            "least 2, or set 'spotline.redundancy.mode' to \"off\""
+        )
+
+
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks that need the whole config; raise UserError on the first problem."""
     sl = cfg.spotline
@@ -437,6 +468,7 @@ def validate(cfg: RunConfig) -> None:
     _positive("spotline.checkpoints.keep", sl.checkpoints.keep)
     _positive("spotline.recovery.max_workers", sl.recovery.max_workers)
     parse_rescales(sl.elasticity.rescale)  # its form only; the CLI checks it against the run
+    _check_capacity(sl.redundancy)
     if sl.elasticity.rebalance_every < 0:
         raise UserError(
             "config key 'spotline.elasticity.rebalance_every' is negative; use 0 (rebalance "

@@ -364,8 +364,17 @@ class Coordinator:
         self.faults.keep_warm()
         planner = self.planner
         planner.layout = initial_layout(
-            S, P, ids, elastic=True, machines={w: self.supervisor.machine_of(w) for w in ids}
+            S,
+            P,
+            ids,
+            elastic=True,
+            machines={w: self.supervisor.machine_of(w) for w in ids},
+            capacity=self.cfg.capacity,
         )
+        if planner.layout is None:
+            # Fewer starting workers than the model needs within redundancy.stages_per_worker
+            # (a trace's first nodes): they stand by, and the next generation waits for more.
+            planner.note_short(len(ids))
         if self.resume_from is None:
             planner.publish(0, planner.plan("train", planner.layout, 0, {}, []))
         else:

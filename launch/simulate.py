@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from spotline.errors import UserError
+from spotline.plan.capacity import DEFAULT_STAGES_PER_WORKER
 from spotline.plan.traces import (
     TRACE_FORMATS,
     Trace,
@@ -49,7 +50,6 @@ from spotline.sim.calibration import (
     load_calibration,
 )
 from spotline.sim.engine import (
-    MAX_STAGES_PER_SLOT,
     POLICIES,
     REFERENCES,
     PolicyName,
@@ -112,6 +112,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="workers per node, e.g. 4 or 8 GPUs: a preemption takes all K at once, and no "
         "node holds a stage and its only replica where the layout allows (default 1)",
     )
+    parser.add_argument(
+        "--stages-per-worker",
+        type=_stages_per_worker,
+        metavar="C",
+        help="room for C logical stages on a worker (default 2: a stage and its replica, as "
+        "Bamboo): no policy runs more than C stages on a worker, so fewer than "
+        "ceil(stages / C) workers wait",
+    )
     parser.add_argument("--model", default="gpt2", help="a model of the calibration table")
     parser.add_argument("--output", type=Path, required=True, help="directory for the results")
     parser.add_argument(
@@ -172,6 +180,19 @@ def _slot_count(text: str) -> int:
             f"must be a whole number >= 1 (workers per node), got {text!r}"
         )
     return slots
+
+
+def _stages_per_worker(text: str) -> int:
+    """``--stages-per-worker``: a whole number >= 2 (a worker's stage and its replica)."""
+    try:
+        stages = int(text)
+    except ValueError:
+        stages = 0
+    if stages < 2:
+        raise argparse.ArgumentTypeError(
+            f"must be a whole number >= 2 (a worker's own stage and its replica), got {text!r}"
+        )
+    return stages
 
 
 def _parse_policies(text: str) -> tuple[PolicyName, ...]:
@@ -240,9 +261,12 @@ def _assumptions(
         "preemption_notice_s (not exploited by any policy)": dict(calibration.preemption_notice_s),
         "ideal (the bound of the 'of ideal' column)": (
             "every ready worker from the moment it is ready, in the layout with the shortest "
-            f"step of at most {topology.num_pipelines} pipelines and {MAX_STAGES_PER_SLOT} "
-            "stages a slot (Bamboo's memory limit); no rendezvous, reconfiguration, "
+            f"step of at most {topology.num_pipelines} pipelines and {config.stages_per_worker} "
+            "stages a worker (the memory limit); no rendezvous, reconfiguration, "
             "checkpoint or lost work"
+        ),
+        "stages_per_worker (memory, own stage + replicas; checkpoint-restart keeps none)": (
+            config.stages_per_worker
         ),
     }
     slots = config.slots_per_machine
@@ -508,6 +532,10 @@ def _run(argv: list[str]) -> int:
         checkpoint_interval_s=args.checkpoint_interval,
         spotline_checkpoint_interval_s=args.spotline_checkpoint_interval,
         slots_per_machine=slots,
+        # Default None, not 2, as --slots: the command recorded reads as before the flag.
+        stages_per_worker=(
+            DEFAULT_STAGES_PER_WORKER if args.stages_per_worker is None else args.stages_per_worker
+        ),
     )
     if args.trace is not None:
         if args.seeds is not None:

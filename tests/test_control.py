@@ -160,3 +160,52 @@ def test_the_coordinator_commits_the_workers_files_and_finds_the_checkpoint(
     }
     (directory / "stage-1.pt").write_bytes(b"stage-1" * 3 + b"!")
     assert checkpoints.latest() is None
+
+
+class Waits(Loop):
+    """A generation loop that counts the planner's waits for arrivals."""
+
+    waits = 0
+
+    def wait_for_joiners(self) -> list[str]:
+        self.waits += 1
+        return []
+
+
+def test_too_few_survivors_for_the_memory_limit_wait_with_the_state_kept(tmp_path: Path) -> None:
+    """Issue 14: four stages run by two workers, two each (each holds the other's stages as
+    its replica); one lost. Two stages per worker (the default): the survivor may not run
+    all four, so the coordinator publishes no layout, says so (an event, in summary.json
+    too) and waits for an arrival; nothing falls back. Four per worker: it runs all four."""
+    for stages_per_worker in (2, 4):
+        cfg = parse_config(
+            small_config(
+                topology={"stages": 4, "workers": 4},
+                redundancy={"stages_per_worker": stages_per_worker},
+            )
+        )
+        planner, store, metrics = _planner(cfg, tmp_path / str(stages_per_worker))
+        loop = Waits([planner])
+        planner.conductor = loop
+        layout = initial_layout(4, 1, ["w0", "w1"], elastic=True)
+        assert layout is not None and layout.groups == ((0, 1), (2, 3))
+        held = member_holdings(layout, 5, replicas=True)
+        metrics.note_preemption()
+        survivor = [WorkerReport("w0", held["w0"], layout.slot_of("w0"))]
+        POLICIES["failover"].recover(planner, survivor, reached=6, ready_t=0.0)
+        plan = Plan.decode(store.get(plan_key(1)))
+        kinds = [e.kind for e in metrics.events]
+        if stages_per_worker == 2:
+            assert plan.layout is None and plan.resume_step == 5 and loop.waits == 1
+            assert kinds == ["waiting-for-capacity"]
+            assert metrics.events[0].detail == {
+                "live": 1,
+                "needed": 2,
+                "stages": 4,
+                "stages_per_worker": 2,
+            }
+            assert metrics.fallbacks == 0 and planner.layout is None
+        else:
+            assert plan.layout is not None and loop.waits == 0
+            assert plan.layout.groups == ((0, 1, 2, 3),) and plan.resume_step == 5
+            assert "waiting-for-capacity" not in kinds and metrics.fallbacks == 0

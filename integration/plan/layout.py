@@ -36,6 +36,13 @@ Rules (all deterministic; pure code, no torch):
   process group); a member is swapped for a holder if needed, never the only member holding
   a stage already checked. Members too few to hold every stage (rigid pipelines, holdings
   spread thin): a fatal loss naming the stage left without a source.
+- Capacity. Given a :class:`~spotline.plan.capacity.Capacity` (the runtime and the simulator
+  always give one: ``spotline.redundancy.stages_per_worker``, default 2: a stage and its
+  successor's replica, or two stages after a takeover), only groupings in which no worker
+  runs more logical stages than that are considered. Too few workers for any such grouping
+  of the shape: a :class:`WaitForCapacity` when every stage's state survives (nothing
+  trains until workers arrive), a fatal loss when not. Where the planner without a
+  capacity would run at most that many stages on a worker, the plan is the same.
 - Machines. Where the reports say their machines (``WorkerReport.machine``) and there are
   two or more, the chosen layout is re-placed so that no machine holds every copy of a
   stage, whenever the shape allows it (``spotline.plan.placement``); the plan lists the
@@ -49,8 +56,9 @@ import functools
 import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
+from spotline.plan.capacity import Capacity
 from spotline.plan.placement import Exposure, exposures, place, replica_of
 
 
@@ -185,6 +193,27 @@ class FatalLoss:
     reason: str
 
 
+@dataclass(frozen=True)
+class WaitForCapacity:
+    """Every logical stage's state survives (at ``resume_step``), but ``live`` workers cannot
+    hold the model within ``capacity``: train nothing until ``needed`` workers are live. No
+    fallback: the survivors keep the state meanwhile."""
+
+    generation: int
+    resume_step: int
+    live: int
+    needed: int
+    capacity: Capacity
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Short:
+    """What :func:`_choose_layout` says when no grouping of its shape fits the capacity."""
+
+    needed: int
+
+
 def contiguous_groupings(num_stages: int, num_groups: int) -> Iterator[tuple[tuple[int, ...], ...]]:
     """Every way to cut stages 0..S-1 into ``num_groups`` contiguous non-empty groups."""
     assert 1 <= num_groups <= num_stages
@@ -200,11 +229,15 @@ def initial_layout(
     *,
     elastic: bool = False,
     machines: Mapping[str, str] | None = None,
+    capacity: Capacity | None = None,
 ) -> Layout | None:
     """Generation 0: pipeline p stage s on ``workers[p * S + s]``; extras stand by (placed
-    by machine instead where that order would leave a stage's copies on one machine)."""
+    by machine instead where that order would leave a stage's copies on one machine).
+    None: too few workers (for the pipelines, or to hold the model within ``capacity``)."""
     reports = [WorkerReport(w, machine=machines[w] if machines else None) for w in workers]
-    return choose_layout(num_stages, num_pipelines, reports, usable={}, elastic=elastic)
+    return choose_layout(
+        num_stages, num_pipelines, reports, usable={}, elastic=elastic, capacity=capacity
+    )
 
 
 def member_holdings(
@@ -253,15 +286,19 @@ def choose_layout(
     usable: dict[int, list[str]],
     *,
     elastic: bool = False,
+    capacity: Capacity | None = None,
 ) -> Layout | None:
     """Pick groups and an assignment that move the least state (see the module rules).
 
     ``usable`` must be coverable by the layout's members (every caller but
     :func:`plan_generation`, which reports the contrary as a :class:`FatalLoss`, passes
-    nothing usable or every stage on every worker)."""
-    layout = _choose_layout(num_stages, num_pipelines, reports, usable, elastic=elastic)
+    nothing usable or every stage on every worker). None: too few workers for the pipelines
+    or, with a ``capacity``, to hold the model within it (``Capacity.fewest_workers``)."""
+    layout = _choose_layout(
+        num_stages, num_pipelines, reports, usable, elastic=elastic, capacity=capacity
+    )
     assert not isinstance(layout, FatalLoss), layout.reason
-    return layout
+    return None if isinstance(layout, _Short) else layout
 
 
 def _choose_layout(
@@ -271,17 +308,25 @@ def _choose_layout(
     usable: dict[int, list[str]],
     *,
     elastic: bool,
-) -> Layout | FatalLoss | None:
+    capacity: Capacity | None = None,
+) -> Layout | FatalLoss | _Short | None:
     workers = [r.worker for r in reports]
     previous = {r.worker: r.previous_slot for r in reports}
+    logical_pipelines = num_pipelines
     if elastic and workers:
         num_pipelines = max(1, min(num_pipelines, len(workers) // num_stages))
     num_physical = min(num_stages, len(workers) // num_pipelines)
     if num_physical == 0:
         return None
+    if capacity is not None and not capacity.allows(num_stages, num_physical):
+        # The shape is the most physical stages these workers allow (the elastic mode drops
+        # pipelines first): no other shape fits where this one does not.
+        return _Short(capacity.fewest_workers(num_stages, logical_pipelines, elastic=elastic))
     best: tuple[tuple[int, int, tuple[tuple[int, ...], ...]], Layout] | None = None
     failed: FatalLoss | None = None
     for groups in contiguous_groupings(num_stages, num_physical):
+        if capacity is not None and not capacity.fits(groups):
+            continue  # some worker would run more stages than its memory has room for
         assigned = _assign(num_stages, num_pipelines, groups, workers, previous, usable)
         if isinstance(assigned, FatalLoss):
             failed = failed or assigned
@@ -397,6 +442,7 @@ def _assign(
     return layout, cost
 
 
+@overload
 def plan_generation(
     generation: int,
     num_stages: int,
@@ -404,15 +450,57 @@ def plan_generation(
     reports: Sequence[WorkerReport],
     *,
     elastic: bool = False,
-) -> GenerationPlan | FatalLoss:
-    """The next generation from the live workers' reports (failure, arrival or departure)."""
+    capacity: None = None,
+) -> GenerationPlan | FatalLoss: ...
+
+
+@overload
+def plan_generation(
+    generation: int,
+    num_stages: int,
+    num_pipelines: int,
+    reports: Sequence[WorkerReport],
+    *,
+    elastic: bool = False,
+    capacity: Capacity,
+) -> GenerationPlan | WaitForCapacity | FatalLoss: ...
+
+
+def plan_generation(
+    generation: int,
+    num_stages: int,
+    num_pipelines: int,
+    reports: Sequence[WorkerReport],
+    *,
+    elastic: bool = False,
+    capacity: Capacity | None = None,
+) -> GenerationPlan | WaitForCapacity | FatalLoss:
+    """The next generation from the live workers' reports (failure, arrival or departure).
+
+    With a ``capacity`` (the runtime's and the simulator's calls), no worker of the plan
+    runs more logical stages than it has room for: when the live workers cannot, the answer is
+    :class:`WaitForCapacity` if every stage's state survives, a :class:`FatalLoss` (fall back
+    to the checkpoint) if not. Without one (None), layouts fold stages without limit."""
     state = committed_state(reports, num_stages)
     if isinstance(state, FatalLoss):
         return state
     committed, usable = state
-    layout = _choose_layout(num_stages, num_pipelines, reports, usable, elastic=elastic)
+    layout = _choose_layout(
+        num_stages, num_pipelines, reports, usable, elastic=elastic, capacity=capacity
+    )
     if isinstance(layout, FatalLoss):
         return layout
+    if isinstance(layout, _Short):
+        assert capacity is not None
+        return WaitForCapacity(
+            generation,
+            committed,
+            len(reports),
+            layout.needed,
+            capacity,
+            f"{len(reports)} live worker(s) cannot hold {num_stages} stages within "
+            f"{capacity.describe()}: waiting for {layout.needed} (every stage's state survives)",
+        )
     if layout is None:
         return GenerationPlan(
             generation,

@@ -11,7 +11,9 @@ Policies (:data:`POLICIES`), each a :class:`SimPolicy` in :data:`POLICY_MODELS`:
     ``reconfigure_s``, and nothing is redone (the replica holder replays the in-flight
     step). Too few nodes for a full layout drop whole pipelines first (the global batch is
     fixed, so each step is slower), then fold stages onto fewer workers (the busiest worker
-    sets the pace: :func:`layout_step_time_s`). Waiting for nodes keeps the state. Only a
+    sets the pace: :func:`layout_step_time_s`), at most ``SimConfig.stages_per_worker`` on
+    one (the memory limit, :mod:`spotline.plan.capacity`); fewer workers wait. Waiting for
+    nodes keeps the state. Only a
     :class:`~spotline.plan.layout.FatalLoss` (a stage no survivor holds) rolls back to the
     last checkpoint and pays ``fatal_rendezvous_s + checkpoint_load_s``. Checkpoints every
     ``spotline_checkpoint_interval_s`` of training until the first fatal loss; after k
@@ -25,18 +27,22 @@ Policies (:data:`POLICIES`), each a :class:`SimPolicy` in :data:`POLICY_MODELS`:
 ``checkpoint-restart``
     Whenever a node that runs a stage is preempted, every node restarts from the last
     checkpoint (``fatal_rendezvous_s + checkpoint_load_s``, work since the checkpoint is
-    redone) on the planner's initial layout of the ready nodes (whole pipelines only). Checkpoints every
+    redone) on the planner's initial layout of the ready nodes (whole pipelines first, then
+    up to ``stages_per_worker`` stages on a worker, the Spotline policies' limit; fewer
+    workers wait). Checkpoints every
     ``sqrt(2 * checkpoint_save_s * MTBF)`` seconds of training (Young/Daly) where MTBF is the
     replayed trace's duration over its number of preemption instants (or an interval given
     in :class:`SimConfig`). Nodes that arrive while it runs join at the next checkpoint if
-    they make another pipeline (the checkpoint was just written, so nothing is redone).
+    they make another pipeline, or unfold stages (the checkpoint was just written, so
+    nothing is redone).
 ``on-demand``
     ``num_stages * (num_workers // num_stages)`` on-demand workers (on whole machines), no
     preemptions, no checkpoints, at the on-demand price.
 ``ideal``
     The upper bound (an oracle, simulator-only): at every instant it trains on the layout
     of the ready workers with the shortest step (:func:`ideal_layout`: at most the
-    configured pipelines, each slot running at most :data:`MAX_STAGES_PER_SLOT` stages),
+    configured pipelines, each worker running at most ``stages_per_worker`` stages, the memory limit every
+    policy obeys),
     with no rendezvous, reconfiguration, checkpoint or lost work: a change of capacity
     changes the step time at once, and the fraction of a step under way carries over. It
     runs on the trace's spot nodes at the spot price, as the other spot policies do.
@@ -51,7 +57,8 @@ the runtime's rule (:mod:`spotline.plan.placement`: no machine holds every copy 
 where the shape allows it); with K = 1 every worker is its own machine, which the rule
 cannot improve on, so the planner is called exactly as before. Training starts (and
 restarts after waiting) with a ``fatal_rendezvous_s`` rendezvous once at least one
-pipeline's worth of workers is ready; fewer ready workers than stages means waiting. The global batch is fixed (``samples_per_step``), so fewer active pipelines make
+pipeline's worth of workers is ready within the memory limit (``ceil(num_stages /
+stages_per_worker)`` workers; fewer means waiting). The global batch is fixed (``samples_per_step``), so fewer active pipelines make
 each step slower, not smaller. Preemption notices are not exploited by any policy (the
 same for all; conservative). Progress is counted in whole steps: a step commits when it
 ends. Conservation is asserted: no preempted node is placed, ``trained == committed +
@@ -68,10 +75,12 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import ClassVar, Literal
 
+from spotline.plan.capacity import DEFAULT_STAGES_PER_WORKER, Capacity
 from spotline.plan.layout import (
     FatalLoss,
     Holding,
     Layout,
+    WaitForCapacity,
     WorkerReport,
     initial_layout,
     member_holdings,
@@ -88,12 +97,6 @@ POLICIES: tuple[PolicyName, ...] = SIM_POLICIES
 MIN_CHECKPOINT_INTERVAL_S = 1.0
 """Checkpoint intervals from a rule are at least this (a free checkpoint would otherwise
 make the interval 0)."""
-
-MAX_STAGES_PER_SLOT = 2
-"""Bamboo's memory limit: an accelerator holds its own stage and one replica, so a slot runs
-at most two logical stages. Only the ideal obeys it for now (the planner folds deeper);
-point 2 of issue 14 makes it a configured capacity of the planner, the runtime and every
-simulated policy."""
 
 REFERENCES: tuple[PolicyName, ...] = ("ideal", "on-demand")
 """The policies every results table compares with (:func:`versus_references`)."""
@@ -117,15 +120,20 @@ def layout_step_time_s(model: ModelCalibration, layout: Layout) -> tuple[float, 
     return degraded + (degraded - base) * (widest - 2), inside and degraded_inside
 
 
-def ideal_layout(model: ModelCalibration, max_pipelines: int, num_workers: int) -> Layout | None:
+def ideal_layout(
+    model: ModelCalibration,
+    max_pipelines: int,
+    num_workers: int,
+    stages_per_worker: int = DEFAULT_STAGES_PER_WORKER,
+) -> Layout | None:
     """The layout with the shortest step (:func:`layout_step_time_s`) that ``num_workers``
     ready workers allow: for each count of pipelines up to ``max_pipelines`` (the job's
     logical pipelines), its stages in as many physical stages as the workers allow, folded
-    evenly, no slot running more than :data:`MAX_STAGES_PER_SLOT` stages; None when too few
+    evenly, no worker running more than ``stages_per_worker`` stages; None when too few
     workers for one pipeline within that limit. Ties go to fewer pipelines. Workers are
     named ``w{p}.{i}`` after their slot; the others stand by (unnamed)."""
     num_stages = model.num_stages
-    fewest = -(-num_stages // MAX_STAGES_PER_SLOT)  # physical stages within the memory limit
+    fewest = -(-num_stages // stages_per_worker)  # physical stages within the memory limit
     best: tuple[float, Layout] | None = None
     for pipelines in range(1, min(max_pipelines, num_workers // fewest) + 1):
         physical = min(num_stages, num_workers // pipelines)
@@ -136,7 +144,7 @@ def ideal_layout(model: ModelCalibration, max_pipelines: int, num_workers: int) 
         groups = tuple(tuple(range(bounds[i], bounds[i + 1])) for i in range(physical))
         slots = tuple(tuple(f"w{p}.{i}" for i in range(physical)) for p in range(pipelines))
         layout = Layout(num_stages, pipelines, groups, slots)
-        assert max(sizes) <= MAX_STAGES_PER_SLOT
+        assert max(sizes) <= stages_per_worker
         step_s, _ = layout_step_time_s(model, layout)  # the same bound every policy is timed by
         if best is None or step_s < best[0]:
             best = (step_s, layout)
@@ -164,7 +172,10 @@ class SimConfig:
     number of nodes (machines) the job asks for and the slots (workers) of each (its logical
     topology is ``num_stages`` x ``num_nodes * slots_per_machine // num_stages``), optional
     checkpoint intervals (None: the policy's rule), whether to record a timeline for plots
-    (off for sweeps: it costs time) and whether to record every layout planned (for tests)."""
+    (off for sweeps: it costs time), whether to record every layout planned (for tests),
+    and the logical stages one worker has room for (``stages_per_worker``: a stage and its
+    replica, or the stages it runs: the runtime's ``spotline.redundancy.stages_per_worker``,
+    every policy under the same limit: :meth:`SimPolicy.capacity`)."""
 
     calibration: Calibration
     model: ModelCalibration
@@ -174,8 +185,12 @@ class SimConfig:
     record_timeline: bool = False
     slots_per_machine: int = 1
     record_layouts: bool = False
+    stages_per_worker: int = DEFAULT_STAGES_PER_WORKER
 
     def __post_init__(self) -> None:
+        # One rule with the runtime's spotline.redundancy.stages_per_worker (its one-line
+        # ValueError): the Spotline policies keep a replica beside each worker's stage.
+        Capacity(self.stages_per_worker, replicas=True)
         # bool is an int to Python; a slot count of True is a mistake, not 1.
         if type(self.slots_per_machine) is not int or self.slots_per_machine < 1:
             raise ValueError(
@@ -663,29 +678,43 @@ class _RuntimePlanner:
     """
 
     # Shared by every run of a process (a sweep runs thousands): the planner is pure.
-    _plans: ClassVar[dict[tuple[object, ...], _Plan | None | FatalLoss]] = {}
+    _plans: ClassVar[dict[tuple[object, ...], _Plan | None | WaitForCapacity | FatalLoss]] = {}
 
-    def __init__(self, num_stages: int, num_pipelines: int, *, elastic: bool) -> None:
+    def __init__(
+        self, num_stages: int, num_pipelines: int, *, elastic: bool, capacity: Capacity
+    ) -> None:
         self.num_stages = num_stages
         self.num_pipelines = num_pipelines
         self.elastic = elastic
+        self.capacity = capacity
 
     def initial(self, num_workers: int, machines: Sequence[str] | None = None) -> _Plan | None:
         """A start from nothing (first start, or the restart after a fatal loss) on
         ``num_workers`` ready workers; ``machines``: the machine of each (None: not said)."""
         partition = None if machines is None else _partition(machines)
-        key: tuple[object, ...] = (self.num_stages, self.num_pipelines, self.elastic, num_workers)
+        key: tuple[object, ...] = (
+            self.num_stages,
+            self.num_pipelines,
+            self.elastic,
+            self.capacity,
+            num_workers,
+        )
         if partition is not None:
             key += (partition,)
         if key not in self._plans:
             idle = [f"i{k}" for k in range(num_workers)]
             said = None if partition is None else dict(zip(idle, _named(partition), strict=True))
             layout = initial_layout(
-                self.num_stages, self.num_pipelines, idle, elastic=self.elastic, machines=said
+                self.num_stages,
+                self.num_pipelines,
+                idle,
+                elastic=self.elastic,
+                machines=said,
+                capacity=self.capacity,
             )
             self._plans[key] = None if layout is None else _Plan.of(layout)
         planned = self._plans[key]
-        assert not isinstance(planned, FatalLoss)
+        assert not isinstance(planned, (FatalLoss, WaitForCapacity))
         return planned
 
     def replan(
@@ -694,9 +723,10 @@ class _RuntimePlanner:
         lost: frozenset[Slot],
         num_idle: int,
         machines: tuple[Mapping[Slot, str], Sequence[str]] | None = None,
-    ) -> _Plan | None | FatalLoss:
+    ) -> _Plan | None | WaitForCapacity | FatalLoss:
         """The next generation after ``last`` (canonical), whose slots ``lost`` are gone,
-        with ``num_idle`` idle nodes: a plan, None (waiting for nodes), or a FatalLoss.
+        with ``num_idle`` idle nodes: a plan, None (waiting for nodes), a wait for capacity
+        (the survivors hold the state, too few to hold it within capacity) or a FatalLoss.
         ``machines``: the machine of each of ``last``'s slots and of each idle node (None:
         not said)."""
         survivors = [
@@ -714,6 +744,7 @@ class _RuntimePlanner:
             self.num_stages,
             self.num_pipelines,
             self.elastic,
+            self.capacity,
             last.groups,
             last.num_pipelines,
             lost,
@@ -732,9 +763,14 @@ class _RuntimePlanner:
                     for report, machine in zip(reports, _named(partition), strict=True)
                 ]
             result = plan_generation(
-                0, self.num_stages, self.num_pipelines, reports, elastic=self.elastic
+                0,
+                self.num_stages,
+                self.num_pipelines,
+                reports,
+                elastic=self.elastic,
+                capacity=self.capacity,
             )
-            if isinstance(result, FatalLoss):
+            if isinstance(result, (FatalLoss, WaitForCapacity)):
                 self._plans[key] = result
             else:
                 self._plans[key] = None if result.layout is None else _Plan.of(result.layout, held)
@@ -802,7 +838,10 @@ class _Job:
         self.topology = config.topology
         self.run = _Run(config, interval_s)
         self.planner = _RuntimePlanner(
-            self.topology.num_stages, self.topology.num_pipelines, elastic=policy.elastic
+            self.topology.num_stages,
+            self.topology.num_pipelines,
+            elastic=policy.elastic,
+            capacity=policy.capacity(config),
         )
         self.slots_per_machine = config.slots_per_machine
         self.machine_of: dict[str, str] = {}
@@ -938,6 +977,11 @@ class SimPolicy(ABC):
         """The fewest ready workers a (re)start is tried with (the planner may want more)."""
         return 1
 
+    def capacity(self, config: SimConfig) -> Capacity:
+        """Room for ``config.stages_per_worker`` logical stages on a worker: a stage and its
+        successor's replica (Bamboo's redundancy), or up to that many stages it runs."""
+        return Capacity(config.stages_per_worker, replicas=True)
+
     def restart_cost_s(self, config: SimConfig, *, first: bool) -> float:
         """The pause of a (re)start: rendezvous, plus loading a checkpoint after the first."""
         cost: float = config.calibration.fatal_rendezvous_s
@@ -1018,8 +1062,10 @@ class SpotlinePolicy(SimPolicy):
                 ),
             )
             job.start()
-        elif result is None:
-            run.set_layout(None)  # too few nodes: wait, the survivors keep the state
+        elif result is None or isinstance(result, WaitForCapacity):
+            # Too few nodes (for the pipelines, or to hold the model within capacity): wait,
+            # the survivors keep the state.
+            run.set_layout(None)
         else:
             job.members, job.lost = _Members(result, members.by_slot, idle), set()
             job.record_layout()
@@ -1053,8 +1099,11 @@ class CheckpointRestartPolicy(SimPolicy):
             interval = young_daly_interval_s(config.model.checkpoint_save_s, trace_mtbf_s(trace))
         return max(interval, MIN_CHECKPOINT_INTERVAL_S)
 
-    def min_start_nodes(self, topology: Topology) -> int:
-        return topology.num_stages
+    def capacity(self, config: SimConfig) -> Capacity:
+        # The same memory per worker, no replica in it: a worker runs up to
+        # stages_per_worker stages, so fewer nodes than stages still train where they fit
+        # (the planner's start waits below Capacity.fewest_workers, as Spotline's does).
+        return Capacity(config.stages_per_worker, replicas=False)
 
     def on_preemption(self, job: _Job, gone: frozenset[Slot]) -> None:
         job.run.rollback()
@@ -1065,10 +1114,19 @@ class CheckpointRestartPolicy(SimPolicy):
 
     def on_checkpoint(self, job: _Job) -> None:
         # The checkpoint was just written: growing redoes nothing, only the restart costs.
-        members, num_stages = job.members, job.topology.num_stages
-        if members is not None and members.layout.num_pipelines < job.topology.num_pipelines:
-            if len(job.ready) // num_stages > members.layout.num_pipelines:
-                job.start()
+        members, topology = job.members, job.topology
+        if members is None:
+            return
+        # The elastic start's shape on the ready workers (spotline.plan.layout): more
+        # pipelines, or more physical stages for a layout that folds stages, is a growth.
+        ready = len(job.ready)
+        pipelines = max(1, min(topology.num_pipelines, ready // topology.num_stages))
+        physical = min(topology.num_stages, ready // pipelines)
+        shape = members.layout
+        if pipelines > shape.num_pipelines or (
+            pipelines == shape.num_pipelines and physical > shape.num_physical_stages
+        ):
+            job.start()
 
 
 class OnDemandPolicy(CheckpointRestartPolicy):
@@ -1133,7 +1191,9 @@ class IdealPolicy(SimPolicy):
             run.num_ready = len(ready)
             workers = len(ready) * slots
             if workers not in layouts:
-                layouts[workers] = ideal_layout(config.model, max_pipelines, workers)
+                layouts[workers] = ideal_layout(
+                    config.model, max_pipelines, workers, config.stages_per_worker
+                )
             layout = layouts[workers]
             if layout != current:
                 if current is None:

@@ -33,8 +33,8 @@ from spotline.launch.control.metrics import RunMetrics
 from spotline.launch.control.supervisor import Supervisor
 from spotline.plan.layout import (
     FatalLoss,
-    GenerationPlan,
     Layout,
+    WaitForCapacity,
     WorkerReport,
     choose_layout,
     pipeline_name,
@@ -184,7 +184,8 @@ class Planner:
         everyone had stopped (a change without a failure is timed from there)."""
         S, P = self.cfg.num_stages, self.cfg.num_pipelines
         g = self.conductor.generation
-        result: GenerationPlan | FatalLoss = plan_generation(g, S, P, reports, elastic=True)
+        capacity = self.cfg.capacity
+        result = plan_generation(g, S, P, reports, elastic=True, capacity=capacity)
         never_trained = (
             self.resume_step == 0
             and not any(r.holdings for r in reports)
@@ -192,19 +193,19 @@ class Planner:
         )
         if isinstance(result, FatalLoss) and never_trained:
             # Nothing was trained yet: every worker builds the initial weights itself.
-            layout = choose_layout(S, P, reports, usable={}, elastic=True)
+            layout = choose_layout(S, P, reports, usable={}, elastic=True, capacity=capacity)
             self._include_all(reports, g)
             self.layout = layout
             self.publish(g, self.plan("train", layout, 0, {}, []))
             self.metrics.event("plan", generation=g, stages="fresh start" if layout else "waiting")
             if layout is None:
+                self.note_short(len(reports))
                 self.conductor.wait_for_joiners()
             return
         if isinstance(result, FatalLoss):
             self.metrics.event("fatal-loss", stages=list(result.lost_stages))
             self.restore(reports, g, reached)
             return
-        layout = result.layout
         self._include_all(reports, g)
         holders: dict[int, list[str]] = {s: [] for s in range(S)}
         for r in reports:
@@ -213,13 +214,18 @@ class Planner:
                     h.version == result.resume_step - 1 and h.ready
                 ):
                     holders[h.stage].append(r.worker)
-        if layout is None:
-            self.metrics.event("waiting-for-workers", live=len(reports))
+        if isinstance(result, WaitForCapacity) or result.layout is None:
+            if isinstance(result, WaitForCapacity):
+                self.note_short(len(reports))
+            else:
+                self.metrics.event("waiting-for-workers", live=len(reports))
             self.layout = None
             self.publish(g, self.plan("train", None, result.resume_step, holders, ()))
-            # Nothing trains until a worker arrives and joins: wait for one.
+            # Nothing trains until a worker arrives and joins: wait for one. The state
+            # stays in the survivors' memory meanwhile (no fallback).
             self.conductor.wait_for_joiners()
             return
+        layout = result.layout
         if failure:
             self.metrics.steps_redone += max(0, reached - result.resume_step)
         self.layout = layout
@@ -240,6 +246,21 @@ class Planner:
             self._await_recovered(g, started)
         elif generation_end_t is not None:
             self._await_recovered(g, max(ready_t, generation_end_t), failure=False)
+
+    def note_short(self, live: int) -> None:
+        """Say (one line, and an event in summary.json) that ``live`` workers are too few to
+        hold the model within ``redundancy.stages_per_worker``: the job waits for arrivals."""
+        capacity = self.cfg.capacity
+        needed = capacity.fewest_workers(self.cfg.num_stages, self.cfg.num_pipelines, elastic=True)
+        if live >= needed:
+            return  # too few for another reason (none so far in the elastic mode)
+        self.metrics.event(
+            "waiting-for-capacity",
+            live=live,
+            needed=needed,
+            stages=self.cfg.num_stages,
+            stages_per_worker=capacity.stages_per_worker,
+        )
 
     def _include_all(self, reports: list[WorkerReport], generation: int) -> None:
         for r in reports:
@@ -286,7 +307,9 @@ class Planner:
             return
         if step is None:
             # No checkpoint yet: the only consistent state is the start.
-            layout = choose_layout(S, P, everyone, usable={}, elastic=True)
+            layout = choose_layout(
+                S, P, everyone, usable={}, elastic=True, capacity=self.cfg.capacity
+            )
             self.metrics.steps_redone += reached
             self.layout, self.resume_step = layout, 0
             self.publish(g, self.plan("train", layout, 0, {}, []))
@@ -295,11 +318,14 @@ class Planner:
             self.metrics.fallbacks += 1
             self.metrics.event("restart-from-scratch")
             if layout is None:
+                self.note_short(len(everyone))
                 self.conductor.wait_for_joiners()
                 return
         else:
             usable = {s: [r.worker for r in reports] for s in range(S)}
-            layout = choose_layout(S, P, everyone, usable=usable, elastic=True)
+            layout = choose_layout(
+                S, P, everyone, usable=usable, elastic=True, capacity=self.cfg.capacity
+            )
             self.metrics.steps_redone += max(0, reached - step)
             self.layout, self.resume_step = layout, step
             holders = {s: list(usable[s]) for s in range(S)}
@@ -310,6 +336,7 @@ class Planner:
             self.metrics.fallbacks += 1
             self.metrics.event("checkpoint-fallback", step=step)
             if layout is None:
+                self.note_short(len(everyone))
                 self.conductor.wait_for_joiners()
                 return
         self._await_recovered(
