@@ -706,3 +706,31 @@ def test_cli_sweep_table_compares_every_policy_with_the_ideal_and_on_demand(
     table = _table(out)
     assert table["0.5 ideal"]["of ideal"] == "1.00"
     assert table["0.5 spotline"]["of ideal"] == f"{spot['samples_vs_ideal']:.2f}"
+
+
+# Every shipped trace at a sample of node counts from 8 to 64 (and of the seeds that pick
+# which nodes a resize removes): a fixed sample, CI-sized; the planner must never crash.
+_SHIPPED = sorted(p.name for p in TRACES.iterdir() if p.suffix in (".csv", ".txt"))
+_SAMPLE = [
+    (name, nodes, seed)
+    for i, name in enumerate(_SHIPPED)
+    # 28 and 44: where the rigid planner once crashed on a real AWS trace (issue 14).
+    for nodes, seed in (
+        (28, i),
+        (44, i),
+        (8 + (17 * i + 11) % 57, i),
+        (8 + (29 * i + 36) % 57, i + 7),
+    )
+]
+
+
+@pytest.mark.parametrize(("name", "nodes", "seed"), _SAMPLE)
+def test_every_shipped_trace_simulates_at_node_counts_from_8_to_64(
+    name: str, nodes: int, seed: int
+) -> None:
+    calibration = load_calibration()
+    config = SimConfig(calibration, calibration.model("gpt2"), nodes)
+    trace = resize_trace(load_trace(TRACES / name), nodes, removal_seed=seed)
+    results = simulate_policies(trace, SIM_POLICIES, config)
+    assert set(results) == set(SIM_POLICIES)
+    assert all(r.samples_per_s >= 0 for r in results.values())
