@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_sim import TOY
 
 from spotline.errors import UserError
 from spotline.launch.simulate import main as simulate_main
@@ -161,24 +162,11 @@ def test_an_unknown_calibration_name_is_one_line_naming_the_shipped_ones() -> No
         load_calibration("missing.json")
 
 
+# test_sim's toy calibration with only its first row (1 pipeline, not degraded).
 TOY_ONE_ROW = {
-    "spot_price_per_node_hour": 1.0,
-    "on_demand_price_per_node_hour": 3.0,
-    "node_ready_s": 45.0,
-    "fatal_rendezvous_s": 30.0,
-    "reconfigure_s": 20.0,
-    "degraded_slowdown": 1.5,
-    "spotline_checkpoint_interval_s": 600.0,
+    **TOY,
     "models": {
-        "toy": {
-            "num_stages": 2,
-            "samples_per_step": 10,
-            "checkpoint_save_s": 10.0,
-            "checkpoint_load_s": 5.0,
-            "step_times": [
-                {"num_stages": 2, "num_pipelines": 1, "degraded": False, "step_time_s": 2.0}
-            ],
-        }
+        "toy": {**TOY["models"]["toy"], "step_times": TOY["models"]["toy"]["step_times"][:1]}
     },
 }
 
