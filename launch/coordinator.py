@@ -289,6 +289,8 @@ class Coordinator:
                         crashed=self.supervisor.crashed_ids(),
                         trace=self.faults.replay is not None,
                         random_preemptions=self.sl.recovery.preempt_rate > 0,
+                        num_stages=self.cfg.num_stages,
+                        stages_per_worker=self.sl.redundancy.stages_per_worker,
                     )
                 )
             time.sleep(POLL_S)
@@ -802,10 +804,23 @@ def no_progress_message(limit_s: float, preempted: int, started: int, *, clock: 
 
 
 def no_workers_message(
-    live: int, *, crashed: list[str], trace: bool, random_preemptions: bool
+    live: int,
+    *,
+    crashed: list[str],
+    trace: bool,
+    random_preemptions: bool,
+    num_stages: int = 1,
+    stages_per_worker: int = 1,
 ) -> str:
     """Why a run that can no longer train stops: the real cause, not a guess at one."""
     head = f"{live} worker(s) left, too few to train, and"
+    if 0 < live and live * stages_per_worker < num_stages:
+        # Live workers that the memory limit alone keeps from training: say so, and how.
+        head = (
+            f"{live} worker(s) left, too few for {num_stages} stages at most "
+            f"{stages_per_worker} a worker (spotline.redundancy.stages_per_worker: raise it "
+            "where memory permits), and"
+        )
     if crashed:
         return f"{head} {len(crashed)} worker(s) ({', '.join(crashed)}) exited with an error"
     if trace:

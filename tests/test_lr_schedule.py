@@ -53,7 +53,9 @@ SCHEDULERS: dict[str, dict[str, Any]] = {
 def scheduled_config(name: str, **sections: Any) -> dict[str, Any]:
     config = small_config(
         training={"steps": STEPS},
-        redundancy={"mode": "lazy", "verify_replicas": True},
+        # stages_per_worker 4: the kill test takes three of four workers, and the last one
+        # runs all four stages (the default memory limit, 2, would wait for capacity).
+        redundancy={"mode": "lazy", "verify_replicas": True, "stages_per_worker": 4},
         **sections,
     )
     config["scheduler"] = {"type": name, "params": SCHEDULERS[name]}

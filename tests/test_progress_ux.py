@@ -136,6 +136,15 @@ def test_a_run_without_workers_names_the_real_cause() -> None:
     crashed = no_workers_message(0, crashed=["w0", "w1"], trace=True, random_preemptions=False)
     assert "2 worker(s) (w0, w1) exited with an error" in crashed
     assert "trace" not in crashed
+    # One live worker that the memory limit alone keeps from 4 stages: the key to raise.
+    limited = no_workers_message(
+        1, crashed=[], trace=False, random_preemptions=False, num_stages=4, stages_per_worker=2
+    )
+    assert "too few for 4 stages at most 2 a worker" in limited
+    assert "spotline.redundancy.stages_per_worker" in limited
+    assert "stages_per_worker" not in no_workers_message(
+        2, crashed=[], trace=False, random_preemptions=False, num_stages=4, stages_per_worker=2
+    )
 
 
 @pytest.mark.slow
