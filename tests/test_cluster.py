@@ -30,8 +30,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 STEPS = 200
 # Dropout on (gpt2-tiny's default): the takeover must also reproduce the dropout masks. A
 # machine is declared lost after 4 s without its agent's heartbeat.
+# Collectives time out after 20 s, not 60: a peer of a machine cut off while their
+# generation sets up can be stuck in gloo's connect until then (see the silent-loss test).
 CONFIG = small_config(
-    training={"steps": STEPS}, redundancy={"mode": "lazy"}, recovery={"heartbeat_timeout_s": 4}
+    training={"steps": STEPS},
+    redundancy={"mode": "lazy"},
+    recovery={"heartbeat_timeout_s": 4, "collective_timeout_s": 20},
 )
 TOPOLOGY = ("--workers", "4", "--stages", "2")
 JOIN = re.compile(r"--join (\S+:\d+)")
