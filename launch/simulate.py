@@ -27,7 +27,7 @@ import math
 import os
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -168,31 +168,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _slot_count(text: str) -> int:
-    """``--slots``: a whole number of workers per node, at least 1 (argparse words the
-    error as one line, ``argument --slots K: ...``)."""
-    try:
-        slots = int(text)
-    except ValueError:
-        slots = 0
-    if slots < 1:
-        raise argparse.ArgumentTypeError(
-            f"must be a whole number >= 1 (workers per node), got {text!r}"
-        )
-    return slots
+def _whole_at_least(minimum: int, meaning: str) -> Callable[[str], int]:
+    """An argparse type: a whole number >= ``minimum`` (argparse words the error as one
+    line, ``argument --FLAG K: ...``)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise argparse.ArgumentTypeError(
+                f"must be a whole number >= {minimum} ({meaning}), got {text!r}"
+            )
+        return value
+
+    return parse
 
 
-def _stages_per_worker(text: str) -> int:
-    """``--stages-per-worker``: a whole number >= 2 (a worker's stage and its replica)."""
-    try:
-        stages = int(text)
-    except ValueError:
-        stages = 0
-    if stages < 2:
-        raise argparse.ArgumentTypeError(
-            f"must be a whole number >= 2 (a worker's own stage and its replica), got {text!r}"
-        )
-    return stages
+_slot_count = _whole_at_least(1, "workers per node")
+_stages_per_worker = _whole_at_least(2, "a worker's own stage and its replica")
 
 
 def _parse_policies(text: str) -> tuple[PolicyName, ...]:
