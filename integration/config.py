@@ -32,6 +32,8 @@ ReplicaDevice = Literal["accelerator", "host"]
 StoreBackend = Literal["tcp", "etcd"]
 OnWriteError = Literal["stop", "continue"]
 WandbMode = Literal["offline", "online", "disabled"]
+# How instruction records fill rows of seq_len + 1 tokens (spotline.instructions).
+InstructionLayout = Literal["pack", "pad"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,9 @@ class DataSection:
 
     path: str | None = None
     tokenizer: str | None = None
+    # Instruction records only: "pack" puts whole examples one after another in a row,
+    # "pad" one example a row (spotline.instructions). Text records ignore it.
+    instruction_layout: InstructionLayout = "pack"
 
 
 @dataclass(frozen=True)

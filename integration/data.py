@@ -16,10 +16,12 @@ import os
 import pathlib
 import tempfile
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from spotline.config import InstructionLayout
 from spotline.errors import UserError
 
 if TYPE_CHECKING:
@@ -168,24 +170,118 @@ def _data_files(path: pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def _load_files(files: list[pathlib.Path], cache_dir: str) -> datasets.Dataset:
-    """Load files with the ``datasets`` text/json builders, keeping the given file order."""
+RecordFormat = Literal["text", "prompt-completion", "messages"]
+"""What the records hold: documents (``text``), ``prompt``/``completion`` pairs, or chat
+``messages``; decided from the records' fields."""
+
+# The fields that decide a record's format, by format.
+_FORMAT_FIELDS: dict[RecordFormat, tuple[str, ...]] = {
+    "text": ("text",),
+    "prompt-completion": ("prompt", "completion"),
+    "messages": ("messages",),
+}
+_KNOWN_FIELDS = frozenset(f for fields in _FORMAT_FIELDS.values() for f in fields)
+_FORMAT_HINT = (
+    "give each record a 'text' string, or 'prompt' and 'completion' strings, or a 'messages' list"
+)
+
+
+@dataclass(frozen=True)
+class RecordSource:
+    """Where records ``start .. start + count - 1`` of a :class:`Records` came from."""
+
+    name: str
+    start: int
+    count: int
+    # The JSON file read, for line numbers in messages (text runs and saved datasets have
+    # none: their records are named by number).
+    json_file: pathlib.Path | None
+
+    def where(self, offset: int) -> str:
+        """The record ``offset`` of this source, as a user finds it: a line of a JSON Lines
+        file, else its 1-based number."""
+        assert 0 <= offset < self.count
+        if self.json_file is not None:
+            lines = [
+                number
+                for number, line in enumerate(
+                    self.json_file.read_text(encoding="utf-8").splitlines(), start=1
+                )
+                if line.strip()
+            ]
+            # The builder skips blank lines; one record a line is JSON Lines. Anything
+            # else (a JSON array) has no line per record.
+            if len(lines) == self.count:
+                return f"{self.name} line {lines[offset]}"
+        return f"{self.name} record {offset + 1}"
+
+
+@dataclass(frozen=True)
+class Records:
+    """The records of ``--data``, all of one format, in the order they were read.
+
+    ``columns`` holds the format's fields (``_FORMAT_FIELDS``), one value per record (None
+    where a record lacks the field: text records without text are dropped later).
+    """
+
+    format: RecordFormat
+    columns: dict[str, list[Any]]
+    sources: tuple[RecordSource, ...]
+
+    def __len__(self) -> int:
+        return sum(s.count for s in self.sources)
+
+    def where(self, index: int) -> str:
+        """Record ``index`` named by its file and line (or record number)."""
+        for source in self.sources:
+            if source.start <= index < source.start + source.count:
+                return source.where(index - source.start)
+        raise AssertionError(f"record {index} is outside the {len(self)} records read")
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What one source holds before its format is known: every known field it has."""
+
+    name: str
+    columns: dict[str, list[Any]]
+    count: int
+    json_file: pathlib.Path | None
+
+
+def _part_of(name: str, dataset: datasets.Dataset, json_file: pathlib.Path | None) -> _Part:
+    fields = [c for c in dataset.column_names if c in _KNOWN_FIELDS]
+    if not fields:
+        raise UserError(
+            f"records in {name} have no 'text' field (nor 'prompt'/'completion' or "
+            f"'messages'; fields: {', '.join(dataset.column_names) or 'none'}); {_FORMAT_HINT}"
+        )
+    columns = {f: list(dataset[f]) for f in fields}
+    return _Part(name=name, columns=columns, count=len(dataset), json_file=json_file)
+
+
+def _load_files(files: list[pathlib.Path], cache_dir: str) -> list[_Part]:
+    """Load files with the ``datasets`` text/json builders, keeping the given file order.
+
+    Consecutive ``.txt`` files go through one builder call; each JSON file is read by itself
+    so that a record's file (and line) can be named.
+    """
     import datasets
 
-    # Consecutive files of one kind go through one builder call; the order stays the sorted one.
-    runs: list[tuple[str, list[str]]] = []
+    runs: list[tuple[str, list[pathlib.Path]]] = []
     for f in files:
         builder = "text" if f.suffix in _TEXT_SUFFIXES else "json"
-        if runs and runs[-1][0] == builder:
-            runs[-1][1].append(str(f))
+        if runs and runs[-1][0] == builder == "text":
+            runs[-1][1].append(f)
         else:
-            runs.append((builder, [str(f)]))
+            runs.append((builder, [f]))
     parts = []
-    for builder, data_files in runs:
+    for builder, paths in runs:
+        name = ", ".join(repr(str(p)) for p in paths)
         try:
             part = datasets.load_dataset(
                 builder,
-                data_files=data_files,
+                data_files=[str(p) for p in paths],
                 split="train",
                 cache_dir=cache_dir,
                 # In memory, so the temporary cache folder can go once this returns.
@@ -193,20 +289,14 @@ def _load_files(files: list[pathlib.Path], cache_dir: str) -> datasets.Dataset:
             )
         except Exception as exc:  # the builders raise many types for one bad input file
             raise UserError(
-                f"cannot read {', '.join(repr(d) for d in data_files)} as {builder} ({_reason(exc)}); "
-                "fix the file or pass another --data"
+                f"cannot read {name} as {builder} ({_reason(exc)}); fix the file or pass "
+                "another --data"
             ) from exc
-        if "text" not in part.column_names:
-            raise UserError(
-                f"records in {', '.join(repr(d) for d in data_files)} have no 'text' field "
-                f"(fields: {', '.join(part.column_names) or 'none'}); give each record a 'text' "
-                "string"
-            )
-        parts.append(part.select_columns(["text"]))
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
+        parts.append(_part_of(name, part, paths[0] if builder == "json" else None))
+    return parts
 
 
-def _load_saved(path: pathlib.Path) -> datasets.Dataset:
+def _load_saved(path: pathlib.Path) -> _Part:
     import datasets
 
     try:
@@ -226,25 +316,84 @@ def _load_saved(path: pathlib.Path) -> datasets.Dataset:
                 f"saved dataset {str(path)!r} has splits {sorted(loaded)} and none is 'train'; "
                 "save the split to train on by itself"
             )
-    if "text" not in loaded.column_names:
+    return _part_of(f"saved dataset {str(path)!r}", loaded, None)
+
+
+def _record_format(part: _Part, offset: int) -> RecordFormat:
+    """The format of record ``offset`` of ``part``, from the known fields it sets."""
+    present = {f for f, values in part.columns.items() if values[offset] is not None}
+    formats = [fmt for fmt, fields in _FORMAT_FIELDS.items() if present & set(fields)]
+    source = RecordSource(part.name, 0, part.count, part.json_file)
+    if len(formats) != 1:
+        found = ", ".join(repr(f) for f in sorted(present)) or "none of them"
         raise UserError(
-            f"saved dataset {str(path)!r} has no 'text' column (columns: "
-            f"{', '.join(loaded.column_names) or 'none'}); add one holding the documents"
+            f"{source.where(offset)} sets {found} of the fields 'text', 'prompt'/'completion' "
+            f"and 'messages'; {_FORMAT_HINT}"
         )
-    return loaded.select_columns(["text"])
+    fmt = formats[0]
+    if fmt == "prompt-completion" and present != {"prompt", "completion"}:
+        (has,) = present
+        (lacks,) = {"prompt", "completion"} - present
+        raise UserError(
+            f"{source.where(offset)} has a {has!r} but no {lacks!r}; give every instruction "
+            "record both strings (the loss counts the completion's tokens)"
+        )
+    return fmt
 
 
-def load_text_dataset(path: str | os.PathLike[str] | None) -> datasets.Dataset:
-    """Documents as a ``datasets.Dataset`` with one ``text`` column, read offline.
+def _part_format(part: _Part) -> RecordFormat:
+    """The format of every record of ``part``; raises UserError on a record of another
+    format or with half a prompt/completion pair."""
+    if set(part.columns) == {"text"}:
+        # Plain documents, as ever: a record without text is an empty document.
+        return "text"
+    first = _record_format(part, 0) if part.count else "text"
+    for offset in range(1, part.count):
+        fmt = _record_format(part, offset)
+        if fmt != first:
+            where = RecordSource(part.name, 0, part.count, part.json_file).where
+            raise UserError(
+                f"records mix formats: {where(0)} is {first}, {where(offset)} is {fmt}; "
+                "use one format for all of --data"
+            )
+    return first
+
+
+def _records(parts: list[_Part]) -> Records:
+    """One format over all parts, its fields concatenated in order."""
+    formats: list[RecordFormat] = []
+    sources: list[RecordSource] = []
+    start = 0
+    for part in parts:
+        fmt = _part_format(part)
+        source = RecordSource(part.name, start, part.count, part.json_file)
+        if formats and fmt != formats[0] and part.count:
+            raise UserError(
+                f"records mix formats: {sources[0].where(0)} is {formats[0]}, "
+                f"{source.where(0)} is {fmt}; use one format for all of --data"
+            )
+        if part.count:
+            formats.append(fmt)
+            sources.append(source)
+            start += part.count
+    fmt = formats[0] if formats else "text"
+    columns: dict[str, list[Any]] = {field: [] for field in _FORMAT_FIELDS[fmt]}
+    for part in parts:
+        for field, values in columns.items():
+            values.extend(part.columns.get(field, [None] * part.count))
+    return Records(format=fmt, columns=columns, sources=tuple(sources))
+
+
+def load_records(path: str | os.PathLike[str] | None) -> Records:
+    """The records of ``--data``, read offline, with their format.
 
     ``path`` is None (the shipped ``DEFAULT_CORPUS``), a ``.txt`` file (one document a
-    line), a ``.json``/``.jsonl`` file of records with a ``text`` field, a folder of such
-    files (read recursively in sorted path order), or a folder written by
-    ``Dataset.save_to_disk``. Empty and whitespace-only documents are dropped; a missing path,
-    a corpus with no document or records without ``text`` raise UserError.
+    line), a ``.json``/``.jsonl`` file of records, a folder of such files (read recursively
+    in sorted path order), or a folder written by ``Dataset.save_to_disk``. Records hold
+    ``text`` (documents), ``prompt`` and ``completion`` strings, or ``messages`` (a chat);
+    one format for all of them. A missing path, records of none or of several formats, or a
+    prompt without its completion raise UserError naming the file and line.
     """
-    import datasets
-
     resolved = DEFAULT_CORPUS if path is None else pathlib.Path(path).expanduser()
     if not resolved.exists():
         raise UserError(
@@ -253,21 +402,49 @@ def load_text_dataset(path: str | os.PathLike[str] | None) -> datasets.Dataset:
         )
     if _is_saved_dataset(resolved):
         with _quiet_progress_bars():
-            dataset = _load_saved(resolved)
+            parts = [_load_saved(resolved)]
     else:
         files = _data_files(resolved)
         with (
             tempfile.TemporaryDirectory(prefix="spotline-datasets-") as cache_dir,
             _quiet_progress_bars(),
         ):
-            dataset = _load_files(files, cache_dir)
-    texts = [t for t in dataset["text"] if isinstance(t, str) and t.strip()]
+            parts = _load_files(files, cache_dir)
+    return _records(parts)
+
+
+def _data_name(path: str | os.PathLike[str] | None) -> str:
+    return str(DEFAULT_CORPUS if path is None else pathlib.Path(path).expanduser())
+
+
+def _text_dataset(records: Records, name: str) -> datasets.Dataset:
+    """The documents of text ``records``: empty and whitespace-only ones dropped."""
+    import datasets
+
+    assert records.format == "text"
+    texts = [t for t in records.columns["text"] if isinstance(t, str) and t.strip()]
     if not texts:
         raise UserError(
-            f"corpus {str(resolved)!r} holds no non-empty document; add text or pass another --data"
+            f"corpus {name!r} holds no non-empty document; add text or pass another --data"
         )
     # A plain in-memory table: no reference to a cache folder, order exactly as read.
     return datasets.Dataset.from_dict({"text": texts})
+
+
+def load_text_dataset(path: str | os.PathLike[str] | None) -> datasets.Dataset:
+    """Documents as a ``datasets.Dataset`` with one ``text`` column, read offline.
+
+    ``path`` as :func:`load_records` takes it, holding ``text`` records. Empty and
+    whitespace-only documents are dropped; a missing path, a corpus with no document or
+    records without ``text`` raise UserError.
+    """
+    records = load_records(path)
+    if records.format != "text":
+        raise UserError(
+            f"corpus {_data_name(path)!r} holds {records.format} records, not documents; "
+            "pass a corpus of 'text' records"
+        )
+    return _text_dataset(records, _data_name(path))
 
 
 def pack_sequences(dataset: datasets.Dataset, tokenizer: Any, seq_len: int) -> np.ndarray:
@@ -300,7 +477,11 @@ def pack_sequences(dataset: datasets.Dataset, tokenizer: Any, seq_len: int) -> n
 
 
 class PackedCorpus:
-    """Packed token rows, read by index: the tensor side of ``GlobalSampler.indices``."""
+    """Packed token rows, read by index: the tensor side of ``GlobalSampler.indices``.
+
+    Every label counts: the plain-text path. :class:`spotline.instructions.InstructionCorpus`
+    adds a mask of the tokens the loss counts.
+    """
 
     def __init__(self, tokens: np.ndarray) -> None:
         if tokens.ndim != 2 or tokens.shape[1] < 2:
@@ -317,6 +498,19 @@ class PackedCorpus:
         """Tokens per training sequence (a packed row holds one more, for the labels)."""
         return int(self.tokens.shape[1]) - 1
 
+    def summary(self) -> dict[str, Any]:
+        """What the run trained on, for ``summary.json``'s ``data``."""
+        return {"format": "text", "rows": len(self)}
+
+    def _rows(self, indices: Sequence[int]) -> list[int]:
+        rows = [int(i) for i in indices]
+        if not rows:
+            raise ValueError("a batch needs at least one index")
+        for i in rows:
+            if not 0 <= i < len(self):
+                raise ValueError(f"sample index {i} is out of range for {len(self)} sequences")
+        return rows
+
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, labels)`` for rows ``indices``: each ``[len(indices), seq_len]``, int64.
 
@@ -324,28 +518,41 @@ class PackedCorpus:
         """
         import torch
 
-        rows = [int(i) for i in indices]
-        if not rows:
-            raise ValueError("a batch needs at least one index")
-        for i in rows:
-            if not 0 <= i < len(self):
-                raise ValueError(f"sample index {i} is out of range for {len(self)} sequences")
-        selected = torch.from_numpy(self.tokens[rows])
+        selected = torch.from_numpy(self.tokens[self._rows(indices)])
         return selected[:, :-1].contiguous(), selected[:, 1:].contiguous()
 
 
 def load_corpus(
-    data: str | None, tokenizer_spec: str | None, seq_len: int, *, min_sequences: int
+    data: str | None,
+    tokenizer_spec: str | None,
+    seq_len: int,
+    *,
+    min_sequences: int,
+    instruction_layout: InstructionLayout = "pack",
 ) -> PackedCorpus:
     """Read, tokenize and pack ``data``; fail early when it cannot fill ``min_sequences`` rows.
 
     ``min_sequences`` is what one training step consumes (the sampler's samples per step).
+    Text records are packed by :func:`pack_sequences`; instruction records (prompt/completion
+    or messages) become an :class:`spotline.instructions.InstructionCorpus` laid out as
+    ``instruction_layout`` says.
     """
-    dataset = load_text_dataset(data)
-    tokenizer = load_tokenizer(tokenizer_spec)
-    corpus = PackedCorpus(pack_sequences(dataset, tokenizer, seq_len))
+    records = load_records(data)
+    name = _data_name(data)
+    corpus: PackedCorpus
+    if records.format == "text":
+        dataset = _text_dataset(records, name)
+        tokenizer = load_tokenizer(tokenizer_spec)
+        corpus = PackedCorpus(pack_sequences(dataset, tokenizer, seq_len))
+    else:
+        # Here, not at the top: spotline.instructions builds on this module.
+        from spotline.instructions import instruction_corpus
+
+        tokenizer = load_tokenizer(tokenizer_spec)
+        corpus = instruction_corpus(
+            records, tokenizer, seq_len, instruction_layout, tokenizer_name=tokenizer_spec or "byte"
+        )
     if len(corpus) < min_sequences:
-        name = str(DEFAULT_CORPUS) if data is None else data
         raise UserError(
             f"corpus {name!r} packs to {len(corpus)} sequences of {seq_len} tokens, fewer than "
             f"the {min_sequences} one training step needs; use a larger corpus or a smaller "

@@ -85,7 +85,11 @@ def prepare_inputs(cfg: RunConfig) -> tuple[Any, sl_data.PackedCorpus]:
         )
     samples_per_step = cfg.samples_per_step
     corpus = sl_data.load_corpus(
-        sl.data.path, sl.data.tokenizer, sl.model.seq_len, min_sequences=samples_per_step
+        sl.data.path,
+        sl.data.tokenizer,
+        sl.model.seq_len,
+        min_sequences=samples_per_step,
+        instruction_layout=sl.data.instruction_layout,
     )
     return hf_config, corpus
 

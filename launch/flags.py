@@ -19,6 +19,7 @@ FLAG_KEYS: dict[str, str] = {
     "seq_len": "spotline.model.seq_len",
     "data": "spotline.data.path",
     "tokenizer": "spotline.data.tokenizer",
+    "instruction_layout": "spotline.data.instruction_layout",
     "redundancy": "spotline.redundancy.mode",
     "wandb": "spotline.tracking.wandb",
     "recovery": "spotline.recovery.mode",
@@ -54,6 +55,10 @@ def add_run_flags(parser: argparse.ArgumentParser, *, with_workers: bool) -> Non
         "--data", help="a .txt/.json/.jsonl file, a directory of them, or a saved dataset"
     )
     parser.add_argument("--tokenizer", help="a tokenizer directory (default: built-in byte-level)")
+    parser.add_argument(
+        "--instruction-layout",
+        help="instruction records: pack (default: whole examples share a row) or pad (one a row)",
+    )
     parser.add_argument("--redundancy", help="off, lazy or eager (Bamboo redundant computation)")
     parser.add_argument(
         "--logical-workers",
