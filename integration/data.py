@@ -502,6 +502,10 @@ class PackedCorpus:
         """What the run trained on, for ``summary.json``'s ``data``."""
         return {"format": "text", "rows": len(self)}
 
+    def notes(self) -> list[str]:
+        """What a run says once about its data before it trains (nothing, for text)."""
+        return []
+
     def _rows(self, indices: Sequence[int]) -> list[int]:
         rows = [int(i) for i in indices]
         if not rows:

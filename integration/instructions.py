@@ -315,6 +315,22 @@ class InstructionCorpus(PackedCorpus):
     def summary(self) -> dict[str, Any]:
         return self.stats.to_json()
 
+    def notes(self) -> list[str]:
+        """The one line saying how many records were truncated (none if none was)."""
+        st = self.stats
+        if not st.truncated_records:
+            return []
+        cut = (
+            f"; {st.completion_truncated_records} also lost the end of the completion"
+            if st.completion_truncated_records
+            else ""
+        )
+        return [
+            f"{st.truncated_records} of {st.records} instruction records are longer than "
+            f"--seq-len {st.seq_len} + 1 tokens and were truncated, the prompt from its "
+            f"start{cut} (summary.json: data.truncated_records)"
+        ]
+
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, labels)`` as :meth:`PackedCorpus.batch`, labels not counted set to
         :data:`IGNORE_INDEX`."""

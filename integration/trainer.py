@@ -13,6 +13,7 @@ pipeline trains on never depends on how many processes exist, and
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -232,6 +233,10 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
     sl = cfg.spotline
     engine = worker.engine
     is_reporter = worker.ident.rank == 0
+    if is_reporter:
+        # Every rank loaded the same data; one says what it has to say about it.
+        for note in worker.corpus.notes():
+            print(f"spotline: {note}", file=sys.stderr, flush=True)
     tracker = Tracker(
         sl.tracking,
         enabled=is_reporter,
@@ -293,6 +298,7 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "checkpoint_fallbacks": 0,
             "steps_redone": 0,
             "recovery_events": [],
+            "data": worker.corpus.summary(),
         }
         write_json_atomic(output_dir / SUMMARY_NAME, summary)
     tracker.finish(summary)

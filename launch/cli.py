@@ -128,7 +128,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     try:
         listen = _parse_listen(args.listen) if getattr(args, "listen", None) else None
-        cfg, output, resume_from = _prepare_run(args)
+        cfg, output, resume_from, data = _prepare_run(args)
     except UserError as exc:
         return fail(str(exc))
     # A summary left by an earlier run in this directory must not pass for this run's.
@@ -155,7 +155,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         )
     except UserError as exc:  # e.g. an unreachable etcd
         return fail(str(exc))
-    return _supervise(coordinator, output)
+    return _supervise(coordinator, output, data)
 
 
 def _parse_listen(text: str) -> tuple[str, int]:
@@ -168,10 +168,11 @@ def _parse_listen(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _prepare_run(args: argparse.Namespace) -> tuple[Any, Path, int | None]:
+def _prepare_run(args: argparse.Namespace) -> tuple[Any, Path, int | None, dict[str, Any]]:
     """Everything checked before any process starts: the config, the output directory, the
     model and corpus, the recovery settings. Returns the config, the output directory
-    (created) and the step a resume continues from (None: step 0)."""
+    (created), the step a resume continues from (None: step 0) and what the data turned
+    into (summary.json's ``data``)."""
     if args.resume is not None:
         cfg, output = resume_config(args)
     else:
@@ -182,13 +183,14 @@ def _prepare_run(args: argparse.Namespace) -> tuple[Any, Path, int | None]:
     # can join) is a lower bound of a worker's start-up.
     from spotline.launch.control.inputs import check_inputs
 
-    validate_recovery(cfg, startup_s=check_inputs(cfg))
+    checked = check_inputs(cfg)
+    validate_recovery(cfg, startup_s=checked.startup_s)
     resume_from = _resume_step(cfg, output) if args.resume is not None else None
     try:
         output.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"--output {output} cannot be created: {exc}") from None
-    return cfg, output, resume_from
+    return cfg, output, resume_from, checked.data
 
 
 def _new_run_config(args: argparse.Namespace) -> tuple[Any, Path]:
@@ -232,9 +234,10 @@ def _resume_step(cfg: Any, output: Path) -> int | None:
     return resume_from
 
 
-def _supervise(coordinator: Coordinator, output: Path) -> int:
+def _supervise(coordinator: Coordinator, output: Path, data: dict[str, Any]) -> int:
     """Run the job to its end with Ctrl-C handled (the first one stops at a checkpointed step
-    boundary, a second at once), write and print its summary; the exit code."""
+    boundary, a second at once), write and print its summary (``data``: what the data turned
+    into); the exit code."""
     from spotline.launch.coordinator import Stopped
     from spotline.tracking import SUMMARY_NAME, write_json_atomic
 
@@ -279,6 +282,7 @@ def _supervise(coordinator: Coordinator, output: Path) -> int:
             f"spotline: error: the run ended without a result; see {output}/logs", file=sys.stderr
         )
         return 1
+    summary["data"] = data
     write_json_atomic(output / SUMMARY_NAME, summary)
     coordinator.log_to_wandb(summary)
     print(format_summary(summary, output))

@@ -5,7 +5,10 @@ a corpus large enough for a step) imports transformers and, through spotline.tra
 DeepSpeed: seconds of imports that the coordinator, the process that never trains, must not
 hold. So ``spotline train`` runs the check in a short-lived child (``python -m
 spotline.launch.control.inputs``, the resolved config as JSON on stdin) that exits with
-:data:`USER_ERROR_EXIT` and the user error's one line on stdout, or 0. The child does what a
+:data:`USER_ERROR_EXIT` and the user error's one line on stdout, or 0 and what the data
+turned into (the corpus's ``summary()``, for ``summary.json``'s ``data``) as the last line
+of its stdout; what the data's loading has to tell the user once (records truncated to
+``--seq-len``) it prints on stderr, which reaches the user's terminal. The child does what a
 worker does before it can join (an interpreter, these imports, the corpus), so its wall time
 is a lower bound of a worker's start-up, which the trace checks use. Meanwhile the parent
 imports torch for the store it hosts next, so the check costs about what it did in process.
@@ -18,6 +21,8 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from spotline.config import RunConfig, parse_config
 from spotline.errors import UserError
@@ -25,9 +30,19 @@ from spotline.errors import UserError
 USER_ERROR_EXIT = 2
 
 
-def check_inputs(cfg: RunConfig) -> float:
+@dataclass(frozen=True)
+class CheckedInputs:
+    """What checking the inputs measured and found."""
+
+    # The child's wall time: a lower bound of a worker's start-up.
+    startup_s: float
+    # The corpus's summary() (spotline.data): summary.json's "data".
+    data: dict[str, Any]
+
+
+def check_inputs(cfg: RunConfig) -> CheckedInputs:
     """Resolve ``cfg``'s model and corpus in a child process; raise :class:`UserError` with its
-    one line if the user got one wrong. Returns the child's wall time in seconds."""
+    one line if the user got one wrong."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [sys.executable, "-m", "spotline.launch.control.inputs", cfg.source],
@@ -55,7 +70,9 @@ def check_inputs(cfg: RunConfig) -> float:
         raise RuntimeError(
             f"checking the model and corpus failed (exit {proc.returncode}); its error is above"
         )
-    return seconds
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert lines, "the input check printed no data summary"
+    return CheckedInputs(startup_s=seconds, data=json.loads(lines[-1]))
 
 
 def main() -> int:
@@ -65,10 +82,13 @@ def main() -> int:
 
     cfg = parse_config(json.loads(sys.stdin.read()), source=sys.argv[1])
     try:
-        prepare_inputs(cfg)
+        _, corpus = prepare_inputs(cfg)
     except UserError as exc:
         print(str(exc), flush=True)
         return USER_ERROR_EXIT
+    for note in corpus.notes():
+        print(f"spotline: {note}", file=sys.stderr, flush=True)
+    print(json.dumps(corpus.summary()), flush=True)
     return 0
 
 

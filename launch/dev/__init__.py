@@ -1,0 +1,1 @@
+"""Developer tools: scripts that (re)make files the repository ships."""
