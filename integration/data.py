@@ -324,11 +324,15 @@ def _record_format(part: _Part, offset: int) -> RecordFormat:
     present = {f for f, values in part.columns.items() if values[offset] is not None}
     formats = [fmt for fmt, fields in _FORMAT_FIELDS.items() if present & set(fields)]
     source = RecordSource(part.name, 0, part.count, part.json_file)
-    if len(formats) != 1:
-        found = ", ".join(repr(f) for f in sorted(present)) or "none of them"
+    if not formats:
         raise UserError(
-            f"{source.where(offset)} sets {found} of the fields 'text', 'prompt'/'completion' "
-            f"and 'messages'; {_FORMAT_HINT}"
+            f"{source.where(offset)} has none of the fields 'text', 'prompt'/'completion' and "
+            f"'messages'; {_FORMAT_HINT}"
+        )
+    if len(formats) > 1:
+        found = ", ".join(repr(f) for f in sorted(present))
+        raise UserError(
+            f"{source.where(offset)} has fields of several formats ({found}); {_FORMAT_HINT}"
         )
     fmt = formats[0]
     if fmt == "prompt-completion" and present != {"prompt", "completion"}:
