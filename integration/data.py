@@ -1,12 +1,16 @@
-"""Training data: text in, fixed-length token sequences out.
+"""Training data: records in, fixed-length token sequences out.
 
-The path is ``load_text_dataset`` (a ``datasets.Dataset`` with a ``text`` column) ->
-``pack_sequences`` (every document tokenized, an eos after each, all concatenated and cut
-into rows of ``seq_len + 1`` tokens) -> ``PackedCorpus`` (rows by index, as input ids and
-next-token labels). ``load_corpus`` runs the whole path. Which rows a micro-batch reads is
-decided by ``spotline.plan.sampler.GlobalSampler``, never here, so the data a logical worker
-sees does not depend on the processes. Everything works offline: the default tokenizer is
-built in code and the default corpus ships with the package.
+``load_records`` reads ``--data`` and tells its format from the records' fields: ``text``
+(documents), ``prompt``/``completion`` or ``messages`` (instruction data; one format for
+all records). The text path is ``load_text_dataset`` (a ``datasets.Dataset`` with a
+``text`` column) -> ``pack_sequences`` (every document tokenized, an eos after each, all
+concatenated and cut into rows of ``seq_len + 1`` tokens) -> ``PackedCorpus`` (rows by
+index, as input ids and next-token labels). Instruction records go to
+``spotline.instructions`` (the loss on completion tokens only). ``load_corpus`` runs the
+whole path. Which rows a micro-batch reads is decided by
+``spotline.plan.sampler.GlobalSampler``, never here, so the data a logical worker sees does
+not depend on the processes. Everything works offline: the default tokenizer is built in
+code and the default corpus ships with the package.
 """
 
 from __future__ import annotations

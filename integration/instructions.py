@@ -326,7 +326,7 @@ class InstructionCorpus(PackedCorpus):
             else ""
         )
         return [
-            f"{st.truncated_records} of {st.records} instruction records are longer than "
+            f"{st.truncated_records} of {st.records} instruction records do not fit a row of "
             f"--seq-len {st.seq_len} + 1 tokens and were truncated, the prompt from its "
             f"start{cut} (summary.json: data.truncated_records)"
         ]

@@ -589,9 +589,14 @@ def partition_method(hf_config: transformers.PretrainedConfig) -> str:
 
 
 def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
-    """Mean cross-entropy over all positions; ``labels`` are already shifted (no shift here).
+    """Mean cross-entropy over the positions whose label counts; ``labels`` are already
+    shifted (no shift here).
 
-    The PipelineModule's loss_fn and the reference tests' loss. Labels -100 are ignored.
+    The PipelineModule's loss_fn and the reference tests' loss. Labels -100
+    (``spotline.instructions.IGNORE_INDEX``: prompt and padding tokens) are skipped and the
+    mean is over the others, as Hugging Face's causal LM loss takes it; text data has none,
+    so its loss is the plain mean. A micro-batch with no counted label would be 0/0 (NaN):
+    the instruction corpora never build a row without one (``InstructionCorpus`` asserts it).
     """
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
