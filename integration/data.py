@@ -44,7 +44,7 @@ _TEXT_SUFFIXES = frozenset({".txt"})
 _JSON_SUFFIXES = frozenset({".json", ".jsonl"})
 # Files `Dataset.save_to_disk` writes next to the arrow shards.
 _SAVED_DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
-_TOKENIZE_BATCH = 1024
+TOKENIZE_BATCH = 1024
 
 
 def _byte_to_char() -> list[str]:
@@ -118,12 +118,12 @@ def load_tokenizer(spec: str | None) -> Any:
         return transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as exc:
         raise UserError(
-            f"cannot load a tokenizer from {str(path)!r} ({_reason(exc)}); pass a folder written by "
+            f"cannot load a tokenizer from {str(path)!r} ({error_reason(exc)}); pass a folder written by "
             "save_pretrained, or 'byte' for the built-in byte-level tokenizer"
         ) from exc
 
 
-def _reason(exc: BaseException) -> str:
+def error_reason(exc: BaseException) -> str:
     """The first line of the innermost cause: the builders wrap the useful message."""
     while exc.__cause__ is not None or exc.__context__ is not None:
         exc = exc.__cause__ if exc.__cause__ is not None else exc.__context__  # type: ignore[assignment]
@@ -206,17 +206,12 @@ class RecordSource:
         file, else its 1-based number."""
         assert 0 <= offset < self.count
         if self.json_file is not None:
-            lines = [
-                number
-                for number, line in enumerate(
-                    self.json_file.read_text(encoding="utf-8").splitlines(), start=1
-                )
-                if line.strip()
-            ]
-            # The builder skips blank lines; one record a line is JSON Lines. Anything
-            # else (a JSON array) has no line per record.
-            if len(lines) == self.count:
-                return f"{self.name} line {lines[offset]}"
+            text = self.json_file.read_text(encoding="utf-8")
+            lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+            # The builder skips blank lines: one object a line is JSON Lines, a record a line.
+            # Anything else (a JSON array) has no line per record.
+            if len(lines) == self.count and all(line.lstrip().startswith("{") for _, line in lines):
+                return f"{self.name} line {lines[offset][0]}"
         return f"{self.name} record {offset + 1}"
 
 
@@ -293,7 +288,7 @@ def _load_files(files: list[pathlib.Path], cache_dir: str) -> list[_Part]:
             )
         except Exception as exc:  # the builders raise many types for one bad input file
             raise UserError(
-                f"cannot read {name} as {builder} ({_reason(exc)}); fix the file or pass "
+                f"cannot read {name} as {builder} ({error_reason(exc)}); fix the file or pass "
                 "another --data"
             ) from exc
         parts.append(_part_of(name, part, paths[0] if builder == "json" else None))
@@ -307,7 +302,7 @@ def _load_saved(path: pathlib.Path) -> _Part:
         loaded = datasets.load_from_disk(str(path), keep_in_memory=True)
     except Exception as exc:  # corrupt or foreign folders fail in many ways
         raise UserError(
-            f"cannot load the saved dataset {str(path)!r} ({_reason(exc)}); write it again with "
+            f"cannot load the saved dataset {str(path)!r} ({error_reason(exc)}); write it again with "
             "Dataset.save_to_disk or pass another --data"
         ) from exc
     if isinstance(loaded, datasets.DatasetDict):
@@ -473,8 +468,8 @@ def pack_sequences(dataset: datasets.Dataset, tokenizer: Any, seq_len: int) -> n
         )
     texts = dataset["text"]
     pieces: list[np.ndarray] = []
-    for start in range(0, len(texts), _TOKENIZE_BATCH):
-        batch = list(texts[start : start + _TOKENIZE_BATCH])
+    for start in range(0, len(texts), TOKENIZE_BATCH):
+        batch = list(texts[start : start + TOKENIZE_BATCH])
         encoded = tokenizer(batch, add_special_tokens=False)["input_ids"]
         for ids in encoded:
             pieces.append(np.asarray(list(ids) + [eos_id], dtype=np.int64))

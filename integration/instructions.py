@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from spotline.config import InstructionLayout
-from spotline.data import _TOKENIZE_BATCH, PackedCorpus, RecordFormat, Records, _reason
+from spotline.data import TOKENIZE_BATCH, PackedCorpus, RecordFormat, Records, error_reason
 from spotline.errors import UserError
 
 if TYPE_CHECKING:
@@ -126,8 +126,8 @@ class InstructionStats:
 def _encode(tokenizer: Any, texts: Sequence[str]) -> list[list[int]]:
     """Token ids of each text, without special tokens (a template writes its own)."""
     out: list[list[int]] = []
-    for start in range(0, len(texts), _TOKENIZE_BATCH):
-        batch = list(texts[start : start + _TOKENIZE_BATCH])
+    for start in range(0, len(texts), TOKENIZE_BATCH):
+        batch = list(texts[start : start + TOKENIZE_BATCH])
         out.extend(list(ids) for ids in tokenizer(batch, add_special_tokens=False)["input_ids"])
     return out
 
@@ -221,7 +221,7 @@ def _render(
     except Exception as exc:  # a template raises whatever its Jinja code raises
         raise UserError(
             f"{records.where(index)}: the tokenizer's chat template fails on this chat "
-            f"({_reason(exc)}); fix the record or the template"
+            f"({error_reason(exc)}); fix the record or the template"
         ) from exc
     return str(prompt), str(whole)
 

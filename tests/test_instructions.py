@@ -278,6 +278,13 @@ def test_records_are_named_by_line_and_by_record(tmp_path: Path) -> None:
     path.write_text(json.dumps(PAIRS[0]) + "\n\n" + json.dumps({"prompt": "p"}) + "\n")
     with pytest.raises(UserError, match=r"gaps\.jsonl' line 3 has a 'prompt'"):
         data.load_records(path)
+    # A JSON array, one record a line: numbered, not given the array's lines.
+    array = tmp_path / "array.json"
+    array.write_text(
+        "[" + json.dumps(PAIRS[0]) + ",\n" + json.dumps({"prompt": "p"}) + "]\n", encoding="utf-8"
+    )
+    with pytest.raises(UserError, match=r"array\.json' record 2 has a 'prompt'"):
+        data.load_records(array)
     saved = tmp_path / "saved"
     datasets.Dataset.from_dict({"prompt": ["a", "b"], "completion": ["x", None]}).save_to_disk(
         saved
