@@ -50,6 +50,7 @@ from spotline.config import RunConfig
 from spotline.engine import build_engine, deepspeed_config_for
 from spotline.errors import UserError
 from spotline.exact import NonFiniteGradient
+from spotline.group_setup import connected_new_groups, init_generation_group
 from spotline.loop import EngineLog, StepDone, StepHooks, slow_machine, train_engine
 from spotline.lr_schedule import StepSchedule, constructor_hyper
 from spotline.plan import logical
@@ -554,7 +555,9 @@ class ElasticWorker:
         self.error = None
         try:
             self._join_process_group(generation, rank, world)
-            engine = self._build_engine(layout)
+            # Every group's pairs connected at its creation: see spotline.group_setup.
+            with connected_new_groups(self._connect_timeout(), self._collective_timeout()):
+                engine = self._build_engine(layout)
             assert plan.logical is not None  # a plan with a layout assigns logical workers
             self._place_logical_workers(engine, plan.logical)
             self._load_state(engine, layout, plan)
@@ -591,24 +594,37 @@ class ElasticWorker:
         """The generation's gloo group (``pg/<g>`` in the store), and DeepSpeed's view of it."""
         from spotline.stores import AbortableStore
 
-        timeout = timedelta(seconds=self.cfg.spotline.recovery.collective_timeout_s)
         # Abortable: a member lost before it wrote its rendezvous address must not hold the
         # others in a store wait for the whole timeout (see AbortableStore). Held here: a
         # Python store that only C++ references loses its methods (pybind's trampoline).
-        self._generation_store = AbortableStore(self.raw_store, self._generation_aborted, timeout)
-        dist.init_process_group(
-            "gloo",
+        self._generation_store = AbortableStore(
+            self.raw_store, self._generation_aborted, self._collective_timeout()
+        )
+        init_generation_group(
             # gloo's rendezvous reads and writes the store itself (its keys are not sealed).
-            store=dist.PrefixStore(process_group_prefix(generation), self._generation_store),
-            rank=rank,
-            world_size=world,
-            timeout=timeout,
+            dist.PrefixStore(process_group_prefix(generation), self._generation_store),
+            rank,
+            world,
+            connect=self._connect_timeout(),
+            collective=self._collective_timeout(),
         )
         import deepspeed
         import deepspeed.ops
 
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, verbose=False)
+
+    def _collective_timeout(self) -> timedelta:
+        return timedelta(seconds=self.cfg.spotline.recovery.collective_timeout_s)
+
+    def _connect_timeout(self) -> timedelta:
+        """How long a new group's pairs may take to connect (spotline.group_setup): a tenth of
+        the collectives' timeout. A live member connects in milliseconds once every address
+        is written; gloo's set-up of a group waits up to five times this for a lost one
+        (measured on torch 2.13: 2 s gave 10 s, 3 s gave 15 s), which keeps the survivors
+        well inside the collectives' timeout, after which the coordinator takes them for
+        hung."""
+        return timedelta(seconds=self.cfg.spotline.recovery.collective_timeout_s / 10)
 
     def _abort_generation(self, generation: int) -> None:
         """Tell every member at once (their watchdogs unblock them), and unblock our peers."""

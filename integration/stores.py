@@ -280,7 +280,11 @@ class EtcdV3Store(dist.Store):
         return self._all_present(keys)[0]
 
     def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
-        timeout = self._timeout() if override_timeout is None else override_timeout
+        # gloo passes its group's timeout, which is only the pair connect's while a generation
+        # sets up (spotline.group_setup): a slow but live member is waited for as long as a
+        # collective would be, and a lost one ends the wait through ``aborted``.
+        own = self._timeout()
+        timeout = own if override_timeout is None else max(own, override_timeout)
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
             present, revision = self._all_present(keys)
@@ -375,7 +379,11 @@ class AbortableStore(dist.Store):
         return self.inner.check(keys)
 
     def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
-        timeout = self._timeout() if override_timeout is None else override_timeout
+        # gloo passes its group's timeout, which is only the pair connect's while a generation
+        # sets up (spotline.group_setup): a slow but live member is waited for as long as a
+        # collective would be, and a lost one ends the wait through ``aborted``.
+        own = self._timeout()
+        timeout = own if override_timeout is None else max(own, override_timeout)
         deadline = time.monotonic() + timeout.total_seconds()
         pause = 0.001
         while not self.inner.check(keys):

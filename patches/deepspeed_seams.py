@@ -44,6 +44,11 @@ SEAMS: dict[str, tuple[str, str]] = {
         "c3ad53cbce68a72f",
         "replaced: DeepSpeed's counts only stage 0's gradients in the norm under pipelines",
     ),
+    "deepspeed.comm.torch.TorchBackend.new_group": (
+        "aa81b6a4e2241d46",
+        "calls torch.distributed.new_group(ranks), looked up at call time: "
+        "spotline.group_setup wraps it while a generation sets up",
+    ),
     "deepspeed.runtime.pipe.module.PipelineModule._partition_layers": (
         "7289164616d3e075",
         "replaced by PlacedPipelineModule: sets parts and _set_bounds from given boundaries",

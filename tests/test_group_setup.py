@@ -1,0 +1,68 @@
+"""A generation's gloo groups have every pair connected at creation (spotline.group_setup).
+
+gloo connects a pair at its first use; the side waiting for its peer to connect has no
+socket until then. A member lost between the group's creation and that use left its peers
+waiting for the collectives' timeout with nothing to abort. Real gloo groups over a real
+TCPStore in real processes; a member stopped (SIGSTOP) right after writing its address
+stands for a machine cut off at that moment.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import torch.distributed as dist
+from conftest import REPO, child_env
+
+MEMBER = REPO / "tests" / "workers" / "group_member.py"
+# A hang detector only: a set-up that does not end in this long waits for the collectives'
+# 900 s timeout (tests/workers/group_member.py).
+BOUND_S = 120
+
+
+def _members(world: int, frozen: int) -> list[str]:
+    """Each live member's one line; the frozen member is killed; every process is reaped."""
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(MEMBER), str(server.port), str(rank), str(world), str(frozen)],
+            cwd=REPO,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for rank in range(world)
+    ]
+    lines: list[str] = []
+    try:
+        for rank, proc in enumerate(procs):
+            if rank == frozen:
+                continue
+            out, _ = proc.communicate(timeout=BOUND_S)
+            lines.append(out.strip())
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return lines
+
+
+def test_a_member_lost_after_its_address_fails_every_peer_set_up_instead_of_hanging() -> None:
+    # Which side of a pair waits is gloo's choice (it compares the two addresses, ports
+    # first): with four live members, at least one waits for the frozen one in 15 runs of 16.
+    lines = _members(world=5, frozen=0)
+    assert len(lines) == 4
+    assert all(line.startswith("error after ") for line in lines), lines
+
+
+def test_groups_connect_under_the_short_timeout_then_run_under_the_collectives_one() -> None:
+    lines = _members(world=2, frozen=-1)
+    # Both groups made through spotline.group_setup run under the collectives' timeout; one
+    # created outside the block keeps torch's default (the wrapper is gone).
+    default = dist.distributed_c10d.default_pg_timeout.total_seconds()
+    assert lines == [f"ok timeouts=[900.0, 900.0] outside={default} sum=2.0"] * 2

@@ -1,0 +1,77 @@
+"""One member of a gloo generation set up by spotline.group_setup (tests/test_group_setup.py).
+
+argv: STORE_PORT RANK WORLD FROZEN_RANK. The store is the test's TCPStore. The member whose
+rank is FROZEN_RANK stops itself (SIGSTOP) right after writing its rendezvous address, as a
+machine cut off at that moment would: alive to the others' rendezvous, never connecting.
+Each live member prints one line: its groups' timeouts and an all-reduce's sum, or the
+error its set-up ended with.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from spotline.group_setup import connected_new_groups, group_timeout, init_generation_group
+
+CONNECT = timedelta(seconds=2)
+# Far beyond the test's bound: a member waiting on an unconnected pair would hang it.
+COLLECTIVE = timedelta(seconds=900)
+
+
+class FreezeAfterFirstSet(dist.Store):
+    """The test's store, except that the frozen member stops after its first write."""
+
+    def __init__(self, inner: dist.Store, freeze: bool) -> None:
+        super().__init__()
+        self.inner = inner
+        self.freeze = freeze
+
+    def set(self, key: str, value: bytes) -> None:
+        self.inner.set(key, value)
+        if self.freeze:
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self.inner.wait(keys)
+
+    def check(self, keys: list[str]) -> bool:
+        return self.inner.check(keys)
+
+    def add(self, key: str, value: int) -> int:
+        return self.inner.add(key, value)
+
+
+def main() -> None:
+    port, rank, world, frozen = (int(a) for a in sys.argv[1:5])
+    inner = dist.TCPStore("127.0.0.1", port, None, False, timeout=COLLECTIVE)
+    store = FreezeAfterFirstSet(inner, freeze=rank == frozen)
+    t0 = time.monotonic()
+    try:
+        init_generation_group(store, rank, world, connect=CONNECT, collective=COLLECTIVE)
+        with connected_new_groups(CONNECT, COLLECTIVE):
+            pair = dist.new_group(ranks=[0, 1])
+        outside = dist.new_group(ranks=list(range(world)))
+        total = torch.ones(1)
+        dist.all_reduce(total)
+        timeouts = [group_timeout(dist.group.WORLD), group_timeout(pair)]  # type: ignore[arg-type]
+        print(
+            f"ok timeouts={[t.total_seconds() for t in timeouts]} "
+            f"outside={group_timeout(outside).total_seconds()} sum={total.item()}",
+            flush=True,
+        )
+    except RuntimeError as exc:
+        print(f"error after {time.monotonic() - t0:.1f}s: {str(exc).splitlines()[0]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

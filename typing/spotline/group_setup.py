@@ -1,0 +1,1 @@
+../../integration/group_setup.py
