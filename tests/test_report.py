@@ -47,7 +47,16 @@ def test_csv_holds_every_row(tmp_path: Path) -> None:
         rows = list(csv.reader(handle))
     assert tuple(rows[0]) == CSV_COLUMNS
     assert len(rows) == 1 + len(timeline.rows) == 15
-    assert rows[2] == ["1.0", "step", "1", "4", "w0=p0:s0;w1=p0:s1;w2=p1:s0;w3=p1:s1", "64.0", ""]
+    assert rows[2] == [
+        "1.0",
+        "step",
+        "1",
+        "4",
+        "w0=p0:s0;w1=p0:s1;w2=p1:s0;w3=p1:s1",
+        "64.0",
+        "",
+        "",
+    ]
     assert rows[3] == [
         "2.0",
         "preempted",
@@ -56,6 +65,7 @@ def test_csv_holds_every_row(tmp_path: Path) -> None:
         "w0=p0:s0;w1=p0:s1;w2=p1:s0;w3=p1:s1",
         "",
         "kill w1",
+        "",
     ]
     assert rows[5][4] == "w0=p0:s0+s1;w2=p1:s0;w3=p1:s1"
     assert rows[6][5] == "40.5"
