@@ -92,6 +92,20 @@ def test_evaluation_flags_and_defaults() -> None:
     assert cfg.spotline.evaluation.enabled and cfg.spotline.evaluation.interval_steps is None
 
 
+def test_a_resume_keeps_the_evaluation() -> None:
+    """A held-out fraction decides the rows trained on, and the evaluations so far are the
+    stopped run's: a resume must keep the section (one line naming the key)."""
+    from spotline.config import resume_mismatch
+
+    stopped = parse_config(small_config(evaluation={"holdout_fraction": 0.1, "interval_steps": 2}))
+    assert resume_mismatch(stopped, stopped) is None
+    moved = with_overrides(stopped, {"spotline.evaluation.holdout_fraction": 0.2})
+    assert resume_mismatch(stopped, moved) == (
+        "spotline.evaluation.holdout_fraction is 0.2 here but 0.1 in the stopped run; it "
+        "decides the math and must match"
+    )
+
+
 # -- the rows --------------------------------------------------------------------------
 
 
