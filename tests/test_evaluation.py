@@ -313,6 +313,32 @@ def test_the_coordinator_takes_each_evaluation_once(capsys: pytest.CaptureFixtur
     assert EvalResult.decode(first.encode()) == first and eval_key(2) == "evaluation/2"
 
 
+def test_a_checkpoint_keeps_the_evaluations_up_to_its_step(tmp_path: Path) -> None:
+    """What a ``--resume`` from it reports again and puts back in the store for rank 0."""
+    import hashlib
+
+    from spotline.checkpoint_manifest import read_metadata, step_dir
+    from spotline.launch.control.checkpoints import EVALUATIONS, CheckpointCommits
+
+    cfg = parse_config(small_config(evaluation={"holdout_fraction": 0.1, "interval_steps": 2}))
+    store = _Store()
+    metrics = RunMetrics(cfg, store, snapshot=lambda: (0, 2, {}))
+    checkpoints = CheckpointCommits(cfg, store, metrics, tmp_path, interval_steps=2)
+    at_two = EvalResult(2, 5.25, math.exp(5.25), 640, best=True)
+    store.set(eval_key(2), at_two.encode())
+    directory = step_dir(cfg.checkpoint_root(tmp_path), 2)
+    directory.mkdir(parents=True)
+    for label in ("stage-0", "stage-1"):
+        data = label.encode()
+        (directory / f"{label}.pt").write_bytes(data)
+        meta = {"file": f"{label}.pt", "size": 7, "sha256": hashlib.sha256(data).hexdigest()}
+        (directory / f"{label}.meta.json").write_text(json.dumps(meta))
+    checkpoints.commit(last=2)
+    assert checkpoints.committed == {2}
+    saved = read_metadata(checkpoints.root, 2)[EVALUATIONS]
+    assert {int(s): EvalResult.from_json(raw) for s, raw in saved.items()} == {2: at_two}
+
+
 # -- end to end ----------------------------------------------------------------------------
 
 

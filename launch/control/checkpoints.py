@@ -94,8 +94,6 @@ class CheckpointCommits:
             # ``step`` is in the store once the files are. Kept with the checkpoint, so
             # that a resumed run's summary has every step's loss.
             self.metrics.collect_step_values(step)
-            # Rank 0 reports the evaluation of a boundary before its checkpoint file too.
-            self.metrics.collect_evaluations()
             metadata: dict[str, dict[str, Any]] = {
                 name: {str(s): values[s] for s in range(step) if s in values}
                 for name, values in (
@@ -103,9 +101,12 @@ class CheckpointCommits:
                     ("learning_rates", self.metrics.learning_rates),
                 )
             }
-            metadata[EVALUATIONS] = {
-                str(s): r.to_json() for s, r in self.metrics.evaluations.items() if s <= step
-            }
+            if self.cfg.spotline.evaluation.enabled:
+                # Rank 0 reports the evaluation of a boundary before its checkpoint file too.
+                self.metrics.collect_evaluations()
+                metadata[EVALUATIONS] = {
+                    str(s): r.to_json() for s, r in self.metrics.evaluations.items() if s <= step
+                }
             try:
                 if commit_manifest(self.root, step, labels, keep=keep, metadata=metadata):
                     self.committed.add(step)
