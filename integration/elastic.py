@@ -19,7 +19,8 @@ training is done. Then the worker:
    rebuilds replicas by a ring transfer from their owners;
 5. resumes at the committed step, in the step loop every entry point runs
    (``spotline.loop.train_engine``) with this worker's hooks: progress and stop checks,
-   rebalancing, losses to the store, checkpoints. The sampler, the dropout seeds and every
+   rebalancing, losses to the store, evaluations (``spotline.evaluation``; first the one
+   due at the resume step, if a loss cut it short), checkpoints. The sampler, the dropout seeds and every
    reduction are functions of the logical topology, so the result is bitwise what an
    undisturbed run gives (and what ``deepspeed launch/train.py`` gives).
 

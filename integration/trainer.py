@@ -5,10 +5,11 @@ fixed membership and no recovery; and what both entry points share before and af
 ``spotline.loop.train_engine``: the same loop ``spotline train``'s workers run
 (``ElasticWorker`` in ``spotline.elastic``), without their hooks (no coordinator, no store,
 no stop checks, rebalancing or checkpoints). Both paths share :func:`prepare_inputs` (model
-config and corpus), the engine (``spotline.engine``, ``spotline.redundancy``), the global
-sampler, which reads each micro-batch by (step, logical worker, micro-batch) so that what a
-pipeline trains on never depends on how many processes exist, and
-:func:`export_final_model` (the exported model and its hash).
+config, corpus and eval set), the evaluations (``spotline.evaluation.Evaluator``), the
+engine (``spotline.engine``, ``spotline.redundancy``), the global sampler, which reads each
+micro-batch by (step, logical worker, micro-batch) so that what a pipeline trains on never
+depends on how many processes exist, and :func:`export_final_model` (the exported model,
+its tokenizer and its hash).
 """
 
 from __future__ import annotations

@@ -410,8 +410,8 @@ class Coordinator:
             self._stop_workers()
             raise Stopped(self.last_committed(), self.stop_target or self.max_progress())
         end = time.monotonic()
-        self.metrics.collect_evaluations()
         self.metrics.show_progress(done=self.sl.training.steps)
+        self.metrics.collect_evaluations()
         wall = end - t_start
         # Training time: from the first step to the last commit, recoveries included.
         train_wall_s = end - (self.metrics.first_step_t or t_start)
@@ -684,8 +684,9 @@ class Coordinator:
         self._admit_joiners()
         self._apply_stop()
         self.checkpoints.poll_errors()
-        self.metrics.collect_evaluations()
+        # A step's loss line before its evaluation's: rank 0 writes the loss first.
         self.metrics.show_progress(done=self.max_progress())
+        self.metrics.collect_evaluations()
         self.metrics.record_throughput()
         if time.monotonic() - self.last_commit_check > 0.5:
             # Checkpoints are committed while a generation runs, not only when it ends.
