@@ -60,6 +60,27 @@ class DataSection:
 
 
 @dataclass(frozen=True)
+class EvaluationSection:
+    """The evaluation set and when it is evaluated (``spotline.evaluation``); off while
+    neither ``data`` nor ``holdout_fraction`` is set.
+
+    ``data``: a file or folder read like ``spotline.data.path`` (text or instruction
+    records, the same tokenizer, ``seq_len`` and layout); ``holdout_fraction``: that share of
+    the training data's rows, chosen with the run's seed and never trained on. Evaluated
+    every ``interval_steps`` steps (None: only at the end) and after the last step, on its
+    first ``max_samples`` rows (None: all of them)."""
+
+    data: str | None = None
+    holdout_fraction: float | None = None
+    interval_steps: int | None = None
+    max_samples: int | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.data is not None or self.holdout_fraction is not None
+
+
+@dataclass(frozen=True)
 class TopologySection:
     """The logical topology's shape and how many local worker processes run it."""
 
@@ -182,6 +203,7 @@ class DeterminismSection:
 class SpotlineConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
+    evaluation: EvaluationSection = field(default_factory=EvaluationSection)
     topology: TopologySection = field(default_factory=TopologySection)
     training: TrainingSection = field(default_factory=TrainingSection)
     redundancy: RedundancySection = field(default_factory=RedundancySection)
@@ -454,6 +476,35 @@ def _check_capacity(redundancy: RedundancySection) -> None:
         )
 
 
+def _check_evaluation(evaluation: EvaluationSection) -> None:
+    """``spotline.evaluation``: one eval set (a file or a held-out fraction), a fraction
+    strictly between 0 and 1, positive counts, and no interval or limit without a set."""
+    where = "spotline.evaluation"
+    fraction = evaluation.holdout_fraction
+    if evaluation.data is not None and fraction is not None:
+        raise UserError(
+            f"config keys '{where}.data' and '{where}.holdout_fraction' are both set; "
+            "evaluate on a file (--eval-data) or on a held-out fraction (--eval-holdout), not both"
+        )
+    if fraction is not None and not 0.0 < fraction < 1.0:
+        raise UserError(
+            f"config key '{where}.holdout_fraction' is {fraction}; expected a number between "
+            "0 and 1 (exclusive): the share of the training rows held out for evaluation"
+        )
+    _positive(f"{where}.interval_steps", evaluation.interval_steps)
+    _positive(f"{where}.max_samples", evaluation.max_samples)
+    if not evaluation.enabled:
+        for key, value in (
+            ("interval_steps", evaluation.interval_steps),
+            ("max_samples", evaluation.max_samples),
+        ):
+            if value is not None:
+                raise UserError(
+                    f"config key '{where}.{key}' is set but there is no evaluation set; set "
+                    f"'{where}.data' (--eval-data) or '{where}.holdout_fraction' (--eval-holdout)"
+                )
+
+
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks that need the whole config; raise UserError on the first problem."""
     sl = cfg.spotline
@@ -474,6 +525,7 @@ def validate(cfg: RunConfig) -> None:
     _positive("spotline.recovery.max_workers", sl.recovery.max_workers)
     parse_rescales(sl.elasticity.rescale)  # its form only; the CLI checks it against the run
     _check_capacity(sl.redundancy)
+    _check_evaluation(sl.evaluation)
     if sl.elasticity.rebalance_every < 0:
         raise UserError(
             "config key 'spotline.elasticity.rebalance_every' is negative; use 0 (rebalance "
@@ -624,8 +676,9 @@ def resume_mismatch(stopped: RunConfig, resumed: RunConfig) -> str | None:
 
     Everything that decides the math must be equal: every DeepSpeed key but printing and
     profiling ones (micro-batch size, gradient accumulation, optimizer, scheduler, clipping,
-    precision), the model, the data, the seed, the logical topology (stages and logical
-    workers) and determinism. Placement, redundancy, recovery, checkpointing and tracking may
+    precision), the model, the data, the evaluation (a held-out fraction decides the rows
+    trained on; the rest, what the evaluations of the stopped run were), the seed, the
+    logical topology (stages and logical workers) and determinism. Placement, redundancy, recovery, checkpointing and tracking may
     change; the number of steps may only grow. The answer is one line naming the key.
     """
     old_ds = {k: v for k, v in stopped.deepspeed.items() if k not in _DEEPSPEED_NOT_MATH}
@@ -635,7 +688,7 @@ def resume_mismatch(stopped: RunConfig, resumed: RunConfig) -> str | None:
     if key is None:
         old_sl = old_json["spotline"]
         new_sl = new_json["spotline"]
-        for section in ("model", "data", "determinism"):
+        for section in ("model", "data", "evaluation", "determinism"):
             key = _first_difference(f"spotline.{section}", old_sl[section], new_sl[section])
             if key is not None:
                 break

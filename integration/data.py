@@ -509,6 +509,11 @@ class PackedCorpus:
         """What a run says once about its data before it trains (nothing, for text)."""
         return []
 
+    def select(self, rows: Sequence[int]) -> PackedCorpus:
+        """Rows ``rows`` of this corpus, in that order, as a corpus of their own (a split:
+        the rows trained on, or the rows held out for evaluation)."""
+        return PackedCorpus(self.tokens[self._rows(rows)])
+
     def _rows(self, indices: Sequence[int]) -> list[int]:
         rows = [int(i) for i in indices]
         if not rows:

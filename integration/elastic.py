@@ -19,7 +19,8 @@ training is done. Then the worker:
    rebuilds replicas by a ring transfer from their owners;
 5. resumes at the committed step, in the step loop every entry point runs
    (``spotline.loop.train_engine``) with this worker's hooks: progress and stop checks,
-   rebalancing, losses to the store, checkpoints. The sampler, the dropout seeds and every
+   rebalancing, losses to the store, evaluations (``spotline.evaluation``; first the one
+   due at the resume step, if a loss cut it short), checkpoints. The sampler, the dropout seeds and every
    reduction are functions of the logical topology, so the result is bitwise what an
    undisturbed run gives (and what ``deepspeed launch/train.py`` gives).
 
@@ -49,18 +50,21 @@ from spotline.checkpoint import CheckpointWriter, load_all
 from spotline.config import RunConfig
 from spotline.engine import build_engine, deepspeed_config_for
 from spotline.errors import UserError
+from spotline.evaluation import Evaluator
 from spotline.exact import NonFiniteGradient
 from spotline.group_setup import connected_new_groups, init_generation_group
 from spotline.loop import EngineLog, StepDone, StepHooks, slow_machine, train_engine
 from spotline.lr_schedule import StepSchedule, constructor_hyper
 from spotline.plan import logical
 from spotline.plan.chaos import parse_injections
+from spotline.plan.evaluation import eval_steps
 from spotline.plan.layout import Holding, Layout, pipeline_name
 from spotline.plan.sampler import GlobalSampler
 from spotline.protocol import (
     CHECKPOINT_ERRORS_COUNTER,
     FINAL_HASH_KEY,
     CheckpointWriteError,
+    EvalResult,
     Outcome,
     Plan,
     Rebalance,
@@ -69,6 +73,7 @@ from spotline.protocol import (
     abort_key,
     checkpoint_error_key,
     entry_key,
+    eval_key,
     heartbeat_key,
     joined_key,
     leaving_key,
@@ -352,6 +357,8 @@ class ElasticWorker:
         self._measuring = False
         self.error: str | None = None
         self._engine: RedundantPipelineEngine | None = None  # the generation's, while it runs
+        # The evaluations (spotline.evaluation), once the data is loaded; None: none asked.
+        self.evaluator: Evaluator | None = None
         # Checkpoint writes that failed (from the writer's thread), not yet told to the store.
         self._ckpt_errors: list[CheckpointWriteError] = []
         self._ckpt_errors_lock = threading.Lock()
@@ -456,7 +463,17 @@ class ElasticWorker:
         from spotline.trainer import prepare_inputs, quiet_libraries
 
         quiet_libraries()
-        self.hf_config, self.corpus = prepare_inputs(self.cfg)
+        inputs = prepare_inputs(self.cfg)
+        self.hf_config, self.corpus = inputs.hf_config, inputs.corpus
+        if inputs.eval_set is not None:
+            self.evaluator = Evaluator(
+                self.cfg,
+                inputs.eval_set,
+                self.hf_config,
+                self.output,
+                earlier=self._earlier_evaluations,
+                report=self._report_evaluation,
+            )
         self.logical = models.logical_parts(self.hf_config, self.cfg.num_stages)
         self.sampler = GlobalSampler(
             num_samples=len(self.corpus),
@@ -814,6 +831,7 @@ class ElasticWorker:
         if self.index == sl.elasticity.slow_worker and factor > 1:
             engine.on_logical_worker_done = slow_machine(factor, self._measure_logical_worker)
         self._lw_seconds, self._lw_count = 0.0, 0
+        self._evaluate_if_missing(engine, resume)
         # The commit barrier stays gloo's: if a peer fails while others wait in it, the
         # watchdog (heartbeat thread) sees the abort and shuts this process's connections.
         end = train_engine(
@@ -832,6 +850,37 @@ class ElasticWorker:
         self._save_holdings(engine)
         self._finish(engine, generation)
         return "done"
+
+    # -- evaluation -----------------------------------------------------------------------
+    def _evaluate_if_missing(self, engine: RedundantPipelineEngine, resume: int) -> None:
+        """The evaluation due at the step this generation resumes from, unless one was
+        reported (a generation evaluates after each step it runs, so only an evaluation cut
+        short by a loss, or a run resumed before its first step, is missing). Collective."""
+        evaluator = self.evaluator
+        if evaluator is None or resume == 0 or not evaluator.due(resume):
+            return
+        missing = torch.tensor([int(not self.store.check([eval_key(resume)]))])
+        # Every member must make the same choice (the evaluation is collective): one that
+        # does not see the result makes them all evaluate again (the same numbers).
+        dist.all_reduce(missing, op=dist.ReduceOp.MAX)
+        if int(missing[0]):
+            evaluator.run(engine, resume)
+
+    def _earlier_evaluations(self) -> dict[int, float]:
+        """Every evaluation reported so far, by step (rank 0 asks, to tell the best): the
+        store keeps them across generations, and a ``--resume`` puts the stopped run's
+        there before the first plan."""
+        ev = self.cfg.spotline.evaluation
+        out: dict[int, float] = {}
+        for step in eval_steps(ev.interval_steps, self.cfg.spotline.training.steps):
+            key = eval_key(step)
+            if self.store.check([key]):
+                out[step] = EvalResult.decode(self.store.get(key)).loss
+        return out
+
+    def _report_evaluation(self, result: EvalResult) -> None:
+        """Rank 0: the result to the store, once its best model (if it is one) is saved."""
+        self.store.set(eval_key(result.step), result.encode())
 
     # -- logical workers (EasyScale) ----------------------------------------------------
     def _place_logical_workers(
@@ -996,7 +1045,7 @@ class ElasticWorker:
         """Rank 0 of the last generation gathers the parameters, hashes and exports them."""
         from spotline.trainer import export_final_model
 
-        digest = export_final_model(engine, self.hf_config, self.output)
+        digest = export_final_model(engine, self.hf_config, self.output, self.cfg)
         if digest is not None:
             self.store.set(FINAL_HASH_KEY, digest)
         dist.barrier()
@@ -1050,5 +1099,9 @@ class _GenerationHooks(StepHooks):
             w.store.set(lr_key(done.step), repr(w.log.learning_rates[done.step]))
         w.train_start_t = min(w.train_start_t, time.time() - done.seconds)
         w.train_end_t = time.time()
+        # Before the checkpoint of this boundary: a checkpoint's files imply that every
+        # evaluation up to its step is in the store (the coordinator keeps them with it).
+        if w.evaluator is not None and w.evaluator.due(done.step + 1):
+            w.evaluator.run(self.engine, done.step + 1)
         w._maybe_checkpoint(self.engine, done.step + 1)
         w._publish_checkpoint_errors()

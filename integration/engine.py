@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +188,38 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
             for micro_batch in range(self.micro_batches)
         )
         return float(self.train_batch(data_iter=batches))
+
+    def evaluate(
+        self,
+        batches: Iterable[Batch],
+        num_micro_batches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Forward ``num_micro_batches`` micro-batches through the pipeline without
+        training: the last stage returns ``loss_fn(logits, labels)`` of each, in order;
+        other stages an empty list.
+
+        DeepSpeed's ``eval_batch`` (its InferenceSchedule, no grad, dropout off) with no
+        reduction of its own: the caller reduces exactly (``spotline.evaluation``).
+        Collective over the job (``eval_batch`` opens with a barrier): every rank calls it,
+        a pipeline given nothing to do with 0. Training is unchanged by it: every step
+        reseeds every generator before it draws (``begin_step``, the per-layer hooks) and
+        resets the loss it keeps; the module is back in train mode on return."""
+        module: PipelineModule = self.module
+        training_loss = module.loss_fn
+        module.loss_fn = loss_fn
+        try:
+            outputs = self.eval_batch(
+                iter(batches),
+                compute_loss=True,
+                reduce_output=None,  # each micro-batch's loss_fn output, on the last stage
+                bcast_loss=False,
+                num_micro_batches=num_micro_batches,
+            )
+        finally:
+            module.loss_fn = training_loss
+            module.train()
+        return list(outputs) if self.is_last_stage() else []
 
     def _exec_begin_logical_worker(self, index: int) -> None:
         self.rng_logical_worker = self.hosted_logical_workers[index]

@@ -45,6 +45,7 @@ counts: the mean never divides by zero, and no NaN reaches the optimizer
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -330,6 +331,14 @@ class InstructionCorpus(PackedCorpus):
             f"--seq-len {st.seq_len} + 1 tokens and were truncated, the prompt from its "
             f"start{cut} (summary.json: data.truncated_records)"
         ]
+
+    def select(self, rows: Sequence[int]) -> InstructionCorpus:
+        """Rows ``rows`` with their masks, as :meth:`PackedCorpus.select`; the stats count
+        this split's rows and tokens (its records and truncations are the whole data's)."""
+        picked = self._rows(rows)
+        counted = self.counted[picked]
+        stats = dataclasses.replace(self.stats, rows=len(picked), counted_tokens=int(counted.sum()))
+        return InstructionCorpus(self.tokens[picked], counted, stats)
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(input_ids, labels)`` as :meth:`PackedCorpus.batch`, labels not counted set to

@@ -1,10 +1,11 @@
 """The one training step loop: every entry point trains through :func:`run_steps`.
 
 - ``deepspeed launch/train.py`` (``spotline.trainer.run_worker``): :func:`train_engine` with
-  the Spotline engine's bookkeeping and a tracker hook, no recovery;
+  the Spotline engine's bookkeeping and a tracker hook (and the evaluations due), no
+  recovery;
 - ``spotline train`` (``spotline.elastic.ElasticWorker``): :func:`train_engine` plus the
   elastic worker's hooks (progress and stop checks at each boundary, rebalancing,
-  losses to the store, checkpoints), once per generation from its resume step;
+  losses to the store, evaluations, checkpoints), once per generation from its resume step;
 - the stock-DeepSpeed baseline (``spotline.launch.bench.stock_worker``): :func:`run_steps`
   over DeepSpeed's own ``train_batch``, with :class:`StepLog` only, so that its step times
   are taken by the same clock as Spotline's.

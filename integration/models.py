@@ -43,7 +43,7 @@ import copy
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -704,13 +704,18 @@ def reference_model(
 
 
 def save_pretrained(
-    pipe_state: Mapping[str, Tensor], hf_config: transformers.PretrainedConfig, out_dir: str
+    pipe_state: Mapping[str, Tensor],
+    hf_config: transformers.PretrainedConfig,
+    out_dir: str,
+    *,
+    also: Callable[[str], None] | None = None,
 ) -> None:
     """Write the full pipeline state as an HF model directory (``from_pretrained`` loads it).
 
-    ``pipe_state`` is the pipeline's state dict merged over all stages. Written to a
-    temporary directory next to ``out_dir`` and renamed into place; an existing
-    ``out_dir`` is replaced.
+    ``pipe_state`` is the pipeline's state dict merged over all stages. ``also`` writes more
+    files into the directory (a tokenizer, a note) before it is complete. Written to a
+    temporary directory next to ``out_dir``, flushed to disk, and renamed into place; an
+    existing ``out_dir`` is replaced.
     """
     # The tied copy must equal the embedding (drop_tied_aliases checks), then counts once.
     hf_state = drop_tied_aliases(layer_names_to_hf(pipe_state, hf_config), hf_config)
@@ -735,6 +740,9 @@ def save_pretrained(
     tmp_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
         model.save_pretrained(tmp_dir)
+        if also is not None:
+            also(tmp_dir)
+        _fsync_tree(tmp_dir)
         if os.path.exists(out_dir):
             old_dir = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
             os.rename(out_dir, os.path.join(old_dir, "d"))
@@ -745,3 +753,20 @@ def save_pretrained(
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
+
+
+def _fsync_tree(directory: str) -> None:
+    """Flush every file under ``directory``, and the directory, to disk: a rename that
+    publishes it must not outrun its contents after a power loss."""
+    for root, _, files in os.walk(directory):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -40,6 +40,10 @@ Rank 0 of a generation writes
 
 - ``loss/<step>``, ``lr/<step>`` (:func:`loss_key`, :func:`lr_key`): the step's loss and
   learning rate (``repr`` of a float); a redone step writes the same values again.
+- ``evaluation/<step>`` (:func:`eval_key`): the evaluation once ``step`` optimizer steps were
+  applied (:class:`EvalResult` as JSON); written after the best model it may be is saved, so
+  an evaluation seen here is complete. A replayed evaluation writes the same value again;
+  the coordinator writes those a ``--resume`` carries over before the first plan.
 - ``final/param_sha256`` (:data:`FINAL_HASH_KEY`): the hash of the final parameters.
 
 Each generation's gloo process group keeps its own rendezvous keys under ``pg/<g>``
@@ -113,6 +117,7 @@ KEY_PREFIXES = (
     "checkpoint-error",
     "loss",
     "lr",
+    "evaluation",
     "final",
     "pg",
     "machine",
@@ -191,6 +196,10 @@ def loss_key(step: int) -> str:
 
 def lr_key(step: int) -> str:
     return f"lr/{step}"
+
+
+def eval_key(step: int) -> str:
+    return f"evaluation/{step}"
 
 
 def process_group_prefix(generation: int) -> str:
@@ -457,6 +466,49 @@ class Report:
 
     @classmethod
     def decode(cls, text: bytes | str) -> Report:
+        return cls.from_json(json.loads(text))
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    """The evaluation once ``step`` optimizer steps were applied: the mean loss over the
+    eval set's counted tokens (``tokens`` of them), its ``perplexity`` (exp of the loss),
+    and whether it beat every evaluation before it (``best``: the model was saved as the
+    run's best; a tie keeps the earlier one)."""
+
+    step: int
+    loss: float
+    perplexity: float
+    tokens: int
+    best: bool
+
+    def __post_init__(self) -> None:
+        assert self.step >= 1 and self.tokens >= 1, self
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "perplexity": self.perplexity,
+            "tokens": self.tokens,
+            "best": self.best,
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> EvalResult:
+        return cls(
+            int(raw["step"]),
+            float(raw["loss"]),
+            float(raw["perplexity"]),
+            int(raw["tokens"]),
+            bool(raw["best"]),
+        )
+
+    def encode(self) -> str:
+        return json.dumps(self.to_json())
+
+    @classmethod
+    def decode(cls, text: bytes | str) -> EvalResult:
         return cls.from_json(json.loads(text))
 
 

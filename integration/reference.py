@@ -14,7 +14,10 @@ order DeepSpeed performs it:
   here without communication) over the logical pipelines' gradients, then scaled by
   1/pipelines; the reported loss is each pipeline's mean, added in pipeline order, divided
   by their number;
-- torch's AdamW with the config's hyper-parameters.
+- torch's AdamW with the config's hyper-parameters;
+- the evaluations (``spotline.evaluation.evaluate_model``: the same micro-batches, token
+  loss sums and exact reduction as the pipeline's) at the same steps, and the parameters
+  of the best one.
 
 With dropout off and the determinism switch this is bitwise what the pipeline computes,
 so tests compare with ``torch.equal`` and exact hashes.
@@ -22,20 +25,56 @@ so tests compare with ``torch.equal`` and exact hashes.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from spotline import models
 from spotline.clipping import apply_clip, clip_coefficient, per_layer_sq_norms
 from spotline.config import RunConfig
+from spotline.evaluation import EvalSet, evaluate_model
 from spotline.exact import LogicalGradients
+from spotline.plan.evaluation import improves, is_due, perplexity
 from spotline.plan.sampler import GlobalSampler
+from spotline.protocol import EvalResult
 from spotline.runtime import configure_process, param_sha256, seed_everything
+from spotline.tracking import eval_fields
+
+if TYPE_CHECKING:
+    import transformers
+
+
+class _Evaluations:
+    """The reference's evaluations, as the pipeline's ``spotline.evaluation.Evaluator`` makes
+    them, and the parameters of the best one."""
+
+    def __init__(self, cfg: RunConfig, eval_set: EvalSet | None, hf_names: set[str]) -> None:
+        self.cfg = cfg
+        self.eval_set = eval_set
+        self.hf_names = hf_names
+        self.results: dict[int, EvalResult] = {}
+        self.best_parameters: dict[str, torch.Tensor] | None = None
+
+    def after(self, step: int, model: transformers.PreTrainedModel) -> None:
+        """Evaluate ``model`` if the run evaluates once ``step`` steps are applied."""
+        ev = self.cfg.spotline.evaluation
+        if self.eval_set is None or not is_due(
+            step, ev.interval_steps, self.cfg.spotline.training.steps
+        ):
+            return
+        loss, tokens = evaluate_model(model, self.eval_set)
+        best = improves(loss, step, {s: r.loss for s, r in self.results.items()})
+        self.results[step] = EvalResult(step, loss, perplexity(loss), tokens, best)
+        if best:
+            self.best_parameters = {
+                k: v.detach().clone() for k, v in model.named_parameters() if k in self.hf_names
+            }
 
 
 def train_reference(cfg: RunConfig) -> dict[str, Any]:
-    """Train ``cfg`` in this process; returns ``losses`` and ``param_sha256`` like summary.json."""
+    """Train ``cfg`` in this process; returns ``losses``, ``param_sha256``, ``eval`` and
+    ``best_eval`` like summary.json, the final ``parameters`` and the best evaluation's
+    (``best_parameters``, None without evaluations)."""
     from spotline.trainer import prepare_inputs, pretrained_dir_of
 
     sl = cfg.spotline
@@ -43,10 +82,12 @@ def train_reference(cfg: RunConfig) -> dict[str, Any]:
         intra_op_threads=sl.determinism.intra_op_threads, deterministic=sl.determinism.enabled
     )
     seed_everything(sl.training.seed)
-    hf_config, corpus = prepare_inputs(cfg)
+    inputs = prepare_inputs(cfg)
+    hf_config, corpus = inputs.hf_config, inputs.corpus
     model = models.reference_model(hf_config, sl.training.seed, pretrained_dir_of(sl.model.name))
     model.train()
     hf_names = set(dict(model.named_parameters()))  # tied aliases appear once
+    evaluations = _Evaluations(cfg, inputs.eval_set, hf_names)
 
     embedding = cast(torch.Tensor, model.get_input_embeddings().weight)
     # transformers leaves get_output_embeddings unannotated
@@ -126,6 +167,13 @@ def train_reference(cfg: RunConfig) -> dict[str, Any]:
             )
             apply_clip((p.grad for p in params), clip_coefficient(values, max_norm))
         optimizer.step()
+        evaluations.after(step + 1, model)
 
     named = {k: v for k, v in model.named_parameters() if k in hf_names}
-    return {"losses": losses, "param_sha256": param_sha256(named), "parameters": named}
+    return {
+        "losses": losses,
+        "param_sha256": param_sha256(named),
+        "parameters": named,
+        **eval_fields(evaluations.results),
+        "best_parameters": evaluations.best_parameters,
+    }

@@ -17,6 +17,9 @@ Event names the report understands (others are kept and shown as they are):
     a worker joined; marked on the plot.
 ``step``
     a step was committed; ``samples_per_s`` is its committed throughput.
+``eval``
+    an evaluation was reported; ``eval_loss`` is its loss (plotted in a fourth panel when
+    the run has any).
 
 Every row carries the *whole* placement at its time (worker id -> what it runs, e.g.
 ``"p0:s0+s1"``): a worker's span on the plot runs from a row until the next row in which
@@ -44,14 +47,24 @@ PREEMPTION_EVENTS = frozenset({"preempted"})
 FAILURE_EVENTS = frozenset({"preempted", "detected"})
 RECOVERY_EVENTS = frozenset({"recovered"})
 ARRIVAL_EVENTS = frozenset({"arrived"})
-CSV_COLUMNS = ("t_s", "event", "step", "live_workers", "placement", "samples_per_s", "detail")
+CSV_COLUMNS = (
+    "t_s",
+    "event",
+    "step",
+    "live_workers",
+    "placement",
+    "samples_per_s",
+    "detail",
+    "eval_loss",
+)
 
 
 @dataclass(frozen=True)
 class TimelineRow:
     """One recorded event: at ``t_s`` seconds since the run started, ``event`` happened at
     step ``step`` with ``live_workers`` workers placed as ``placement`` (worker id -> stages,
-    sorted by worker id), committing ``samples_per_s`` (None when the row reports none)."""
+    sorted by worker id), committing ``samples_per_s`` (None when the row reports none);
+    ``eval_loss``: the loss of the evaluation the row reports (None: it reports none)."""
 
     t_s: float
     event: str
@@ -60,6 +73,7 @@ class TimelineRow:
     placement: tuple[tuple[str, str], ...]
     samples_per_s: float | None
     detail: str = ""
+    eval_loss: float | None = None
 
     def placement_text(self) -> str:
         """The placement as one CSV field: ``worker=stages`` pairs joined by ``;``."""
@@ -89,6 +103,8 @@ class Timeline:
         placement: Mapping[str, str],
         samples_per_s: float | None,
         detail: str = "",
+        *,
+        eval_loss: float | None = None,
     ) -> TimelineRow:
         """Append one row (see :class:`TimelineRow`) and return it. ValueError on a
         negative or non-finite time or count, or an empty event name."""
@@ -113,6 +129,7 @@ class Timeline:
             placement=tuple(sorted(placement.items())),
             samples_per_s=None if samples_per_s is None else float(samples_per_s),
             detail=detail,
+            eval_loss=None if eval_loss is None else float(eval_loss),
         )
         self.rows.append(row)
         return row
@@ -133,16 +150,18 @@ class Timeline:
                     row.placement_text(),
                     "" if row.samples_per_s is None else repr(row.samples_per_s),
                     row.detail,
+                    "" if row.eval_loss is None else repr(row.eval_loss),
                 ]
             )
         write_bytes_atomic(Path(path), buffer.getvalue().encode("utf-8"))
 
     def plot_png(self, path: Path, title: str) -> Figure:
         """Draw the timeline into ``path`` (PNG, atomically): live workers over time with
-        preemptions and arrivals marked, each worker's placement spans, and committed
-        throughput, on one shared time axis. Uses matplotlib's Agg canvas (no display, no
-        global pyplot state). Returns the figure drawn (its three axes, top to bottom), so
-        that a caller or a test can read what it shows."""
+        preemptions and arrivals marked, each worker's placement spans, committed
+        throughput, and, when the run evaluated, the eval loss, on one shared time axis.
+        Uses matplotlib's Agg canvas (no display, no global pyplot state). Returns the
+        figure drawn (its three or four axes, top to bottom), so that a caller or a test
+        can read what it shows."""
         figure = _plot(self.rows, title)
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png", dpi=100)
@@ -188,12 +207,12 @@ def _plot(rows: list[TimelineRow], title: str) -> Figure:
     spans = _spans(rows, end_s)
     workers = list(spans)  # first appearance: initial workers first, arrivals after
     span_height = max(1.5, min(0.3 * len(workers), 8.0))
-    figure = Figure(figsize=(11, 3.0 + 2.2 + span_height))
+    evaluated = [row for row in rows if row.eval_loss is not None]
+    ratios = [1.5, max(1.0, span_height / 1.5), 1.5] + ([1.5] if evaluated else [])
+    figure = Figure(figsize=(11, 3.0 + 2.2 + span_height + (1.5 if evaluated else 0.0)))
     FigureCanvasAgg(figure)
-    axes = figure.subplots(
-        3, 1, sharex=True, gridspec_kw={"height_ratios": [1.5, max(1.0, span_height / 1.5), 1.5]}
-    )
-    live_ax, place_ax, rate_ax = axes
+    axes = list(figure.subplots(len(ratios), 1, sharex=True, gridspec_kw={"height_ratios": ratios}))
+    live_ax, place_ax, rate_ax = axes[:3]
     figure.suptitle(title)
 
     if rows:
@@ -251,7 +270,16 @@ def _plot(rows: list[TimelineRow], title: str) -> Figure:
         )
         rate_ax.set_ylim(bottom=0)
     rate_ax.set_ylabel("samples/s")
-    rate_ax.set_xlabel("time since start (s)")
+    if evaluated:
+        eval_ax = axes[3]
+        eval_ax.plot(
+            [row.t_s for row in evaluated],
+            [row.eval_loss for row in evaluated],
+            marker="o",
+            color="tab:purple",
+        )
+        eval_ax.set_ylabel("eval loss")
+    axes[-1].set_xlabel("time since start (s)")
     rate_ax.set_xlim(0, right)
     for ax in axes:
         ax.grid(True, axis="x", alpha=0.3)

@@ -6,12 +6,32 @@ import json
 import os
 import sys
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from spotline.config import TrackingSection
+from spotline.plan.evaluation import best_step
+from spotline.protocol import EvalResult
 
 SUMMARY_NAME = "summary.json"
+# Where summary.json's best evaluation's model is, in the output directory (the link
+# spotline.evaluation.publish_best swaps; named here, where the coordinator can read it).
+BEST_MODEL = "best"
+
+
+def eval_fields(evaluations: Mapping[int, EvalResult]) -> dict[str, Any]:
+    """``summary.json``'s evaluations: ``eval``, every one in step order (``step``, ``loss``,
+    ``perplexity``, ``tokens``, ``best``: it beat every earlier one), and ``best_eval``, the
+    lowest loss (the earliest on a tie) with ``model``, the directory its model was saved
+    to (None without evaluations)."""
+    best = best_step({step: r.loss for step, r in evaluations.items()})
+    return {
+        "eval": [evaluations[step].to_json() for step in sorted(evaluations)],
+        "best_eval": (
+            None if best is None else {**evaluations[best].to_json(), "model": BEST_MODEL}
+        ),
+    }
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
@@ -96,6 +116,22 @@ class Tracker:
                 flush=True,
             )
 
+    def log_eval(self, result: EvalResult) -> None:
+        """An evaluation: ``eval/loss`` and ``eval/perplexity`` to wandb at its step (the
+        step whose loss the same parameters give), and a progress line."""
+        if not self.enabled:
+            return
+        if self._run is not None:
+            self._run.log(
+                {"eval/loss": result.loss, "eval/perplexity": result.perplexity}, step=result.step
+            )
+        if self._bar is not None or self._plain_progress:
+            line = eval_line(result, self._total)
+            if self._bar is not None:
+                self._bar.write(line, file=sys.stderr)
+            else:
+                print(line, file=sys.stderr, flush=True)
+
     def log_event(self, name: str, payload: dict[str, Any]) -> None:
         if self.enabled and self._run is not None:
             self._run.log({f"event/{name}": 1, **{f"event/{k}": v for k, v in payload.items()}})
@@ -111,3 +147,11 @@ class Tracker:
                     if isinstance(value, (int, float, str)):
                         self._run.summary[key] = value
             self._run.finish()
+
+
+def eval_line(result: EvalResult, total_steps: int) -> str:
+    """The progress line of an evaluation (both entry points print it)."""
+    return (
+        f"spotline: step {result.step}/{total_steps} eval loss {result.loss:.4f} "
+        f"ppl {result.perplexity:.2f}{' (best)' if result.best else ''}"
+    )

@@ -5,10 +5,11 @@ fixed membership and no recovery; and what both entry points share before and af
 ``spotline.loop.train_engine``: the same loop ``spotline train``'s workers run
 (``ElasticWorker`` in ``spotline.elastic``), without their hooks (no coordinator, no store,
 no stop checks, rebalancing or checkpoints). Both paths share :func:`prepare_inputs` (model
-config and corpus), the engine (``spotline.engine``, ``spotline.redundancy``), the global
-sampler, which reads each micro-batch by (step, logical worker, micro-batch) so that what a
-pipeline trains on never depends on how many processes exist, and
-:func:`export_final_model` (the exported model and its hash).
+config, corpus and eval set), the evaluations (``spotline.evaluation.Evaluator``), the
+engine (``spotline.engine``, ``spotline.redundancy``), the global sampler, which reads each
+micro-batch by (step, logical worker, micro-batch) so that what a pipeline trains on never
+depends on how many processes exist, and :func:`export_final_model` (the exported model,
+its tokenizer and its hash).
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ from spotline import data as sl_data
 from spotline import models
 from spotline.config import RunConfig
 from spotline.engine import Batch, build_engine, deepspeed_config_for
+from spotline.evaluation import EvalSet, Evaluator, prepare_eval_set
 from spotline.loop import EngineLog, StepDone, StepHooks, train_engine
 from spotline.loop import replica_mismatches as _replica_mismatches
 from spotline.plan.layout import pipeline_name
 from spotline.plan.logical import assign_logical_workers
 from spotline.plan.sampler import GlobalSampler
+from spotline.protocol import EvalResult
 from spotline.redundancy import RedundantPipelineEngine
 from spotline.runtime import (
     configure_process,
@@ -39,7 +42,7 @@ from spotline.runtime import (
     peak_rss_mib,
     seed_everything,
 )
-from spotline.tracking import SUMMARY_NAME, Tracker, write_json_atomic
+from spotline.tracking import SUMMARY_NAME, Tracker, eval_fields, write_json_atomic
 
 
 def pretrained_dir_of(model_spec: str) -> str | None:
@@ -68,8 +71,27 @@ class WorkerIdentity:
     world_size: int
 
 
-def prepare_inputs(cfg: RunConfig) -> tuple[Any, sl_data.PackedCorpus]:
-    """Resolve the model config and corpus; raises UserError on bad input.
+@dataclass(frozen=True)
+class Inputs:
+    """What a run trains on: the model's config, the rows the sampler draws from
+    (``corpus``: without a held-out fraction) and the eval set (None: no evaluation).
+    ``data``: the whole data as loaded (its summary and notes are the run's)."""
+
+    hf_config: Any
+    corpus: sl_data.PackedCorpus
+    eval_set: EvalSet | None
+    data: sl_data.PackedCorpus
+
+    def summary(self) -> dict[str, Any]:
+        """``summary.json``'s ``data``: what the data became, and the eval set's part."""
+        out = self.data.summary()
+        if self.eval_set is not None:
+            out["eval"] = dict(self.eval_set.description)
+        return out
+
+
+def prepare_inputs(cfg: RunConfig) -> Inputs:
+    """Resolve the model config, corpus and eval set; raises UserError on bad input.
 
     The launcher calls this before starting any worker so that a user mistake is reported
     once, as one line, with no process started and nothing written.
@@ -92,7 +114,8 @@ def prepare_inputs(cfg: RunConfig) -> tuple[Any, sl_data.PackedCorpus]:
         min_sequences=samples_per_step,
         instruction_layout=sl.data.instruction_layout,
     )
-    return hf_config, corpus
+    train, eval_set = prepare_eval_set(cfg, corpus)
+    return Inputs(hf_config=hf_config, corpus=train, eval_set=eval_set, data=corpus)
 
 
 def gather_hf_parameters(engine: Any, hf_config: Any) -> dict[str, torch.Tensor] | None:
@@ -118,11 +141,19 @@ class Worker:
 
     cfg: RunConfig
     ident: WorkerIdentity
-    hf_config: Any
-    corpus: sl_data.PackedCorpus
+    inputs: Inputs
     sampler: GlobalSampler
     engine: RedundantPipelineEngine
     setup_s: float
+
+    @property
+    def hf_config(self) -> Any:
+        return self.inputs.hf_config
+
+    @property
+    def corpus(self) -> sl_data.PackedCorpus:
+        """The rows trained on."""
+        return self.inputs.corpus
 
     def get_batch(self, step: int, logical_worker: int, micro_batch: int) -> Batch:
         return self.corpus.batch(self.sampler.indices(step, logical_worker, micro_batch))
@@ -139,15 +170,39 @@ class Worker:
         return _replica_mismatches(self.engine)
 
 
-def export_final_model(engine: Any, hf_config: Any, output_dir: Path) -> str | None:
-    """Save pipeline 0's parameters as a Hugging Face model in ``output_dir/model``; returns
-    their ``param_sha256`` on global rank 0 (None elsewhere). Collective: every rank calls it."""
+def save_model(
+    hf_params: dict[str, torch.Tensor],
+    hf_config: Any,
+    directory: Path,
+    cfg: RunConfig,
+    *,
+    note: str | None = None,
+) -> None:
+    """Write ``hf_params`` as a ``save_pretrained`` directory with the run's tokenizer (and
+    ``note``, the evaluation it is from, in ``spotline.evaluation.EVAL_NOTE``), atomically:
+    complete and flushed before it is renamed into place."""
+    from spotline.evaluation import EVAL_NOTE
+
+    tokenizer = sl_data.load_tokenizer(cfg.spotline.data.tokenizer)
+
+    def also(tmp_dir: str) -> None:
+        tokenizer.save_pretrained(tmp_dir)
+        if note is not None:
+            Path(tmp_dir, EVAL_NOTE).write_text(note)
+
+    models.save_pretrained(
+        models.hf_to_layer_names(hf_params, hf_config), hf_config, str(directory), also=also
+    )
+
+
+def export_final_model(engine: Any, hf_config: Any, output_dir: Path, cfg: RunConfig) -> str | None:
+    """Save pipeline 0's parameters as a Hugging Face model, with the run's tokenizer, in
+    ``output_dir/model``; returns their ``param_sha256`` on global rank 0 (None elsewhere).
+    Collective: every rank calls it."""
     hf_params = gather_hf_parameters(engine, hf_config)
     if hf_params is None:
         return None
-    models.save_pretrained(
-        models.hf_to_layer_names(hf_params, hf_config), hf_config, str(output_dir / "model")
-    )
+    save_model(hf_params, hf_config, output_dir / "model", cfg)
     return param_sha256(models.drop_tied_aliases(hf_params, hf_config))
 
 
@@ -162,7 +217,7 @@ def setup_worker(cfg: RunConfig) -> Worker:
         intra_op_threads=sl.determinism.intra_op_threads, deterministic=sl.determinism.enabled
     )
     seed_everything(sl.training.seed)
-    hf_config, corpus = prepare_inputs(cfg)
+    inputs = prepare_inputs(cfg)
     # Fewer logical workers than pipelines is refused by spotline.config.validate.
     assert cfg.num_pipelines >= cfg.num_physical_pipelines
     if ident.world_size != cfg.num_workers:
@@ -175,7 +230,7 @@ def setup_worker(cfg: RunConfig) -> Worker:
     init_distributed()
     t_setup = time.perf_counter()
     module = models.build_pipeline_module(
-        hf_config,
+        inputs.hf_config,
         cfg.num_stages,
         seed=sl.training.seed,
         pretrained_dir=pretrained_dir_of(sl.model.name),
@@ -189,7 +244,7 @@ def setup_worker(cfg: RunConfig) -> Worker:
         replica_device=sl.redundancy.replica_device,
     )
     sampler = GlobalSampler(
-        num_samples=len(corpus),
+        num_samples=len(inputs.corpus),
         num_logical_workers=cfg.num_pipelines,
         micro_batch_size=cfg.micro_batch_size,
         num_micro_batches=cfg.num_micro_batches,
@@ -198,8 +253,7 @@ def setup_worker(cfg: RunConfig) -> Worker:
     worker = Worker(
         cfg=cfg,
         ident=ident,
-        hf_config=hf_config,
-        corpus=corpus,
+        inputs=inputs,
         sampler=sampler,
         engine=engine,
         setup_s=time.perf_counter() - t_setup,
@@ -216,15 +270,26 @@ def setup_worker(cfg: RunConfig) -> Worker:
 
 
 class _TrackSteps(StepHooks):
-    """The launcher path's one hook: each step to the tracker (wandb, the progress line)."""
+    """The launcher path's hook: each step to the tracker (wandb, the progress line), and
+    the evaluations due after it."""
 
-    def __init__(self, tracker: Tracker, log: EngineLog) -> None:
+    def __init__(
+        self,
+        tracker: Tracker,
+        log: EngineLog,
+        engine: RedundantPipelineEngine,
+        evaluator: Evaluator | None,
+    ) -> None:
         self.tracker = tracker
         self.log = log
+        self.engine = engine
+        self.evaluator = evaluator
 
     def after_step(self, done: StepDone) -> None:
         lr = self.log.learning_rates[done.step]
         self.tracker.log_step(done.step, {"loss": done.loss, "lr": lr, "step_time_s": done.seconds})
+        if self.evaluator is not None and self.evaluator.due(done.step + 1):
+            self.evaluator.run(self.engine, done.step + 1)
 
 
 def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
@@ -235,7 +300,7 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
     is_reporter = worker.ident.rank == 0
     if is_reporter:
         # Every rank loaded the same data; one says what it has to say about it.
-        for note in worker.corpus.notes():
+        for note in worker.inputs.data.notes():
             print(f"spotline: {note}", file=sys.stderr, flush=True)
     tracker = Tracker(
         sl.tracking,
@@ -245,6 +310,23 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
         run_config=cfg.to_json(),
     )
     log = EngineLog()
+    # Rank 0's evaluations so far (it alone reports them and decides the best).
+    evaluations: dict[int, EvalResult] = {}
+
+    def report(result: EvalResult) -> None:
+        evaluations[result.step] = result
+        tracker.log_eval(result)
+
+    evaluator = None
+    if worker.inputs.eval_set is not None:
+        evaluator = Evaluator(
+            cfg,
+            worker.inputs.eval_set,
+            worker.hf_config,
+            output_dir,
+            earlier=lambda: {step: r.loss for step, r in evaluations.items()},
+            report=report,
+        )
     end = train_engine(
         engine,
         seed=sl.training.seed,
@@ -252,13 +334,13 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
         stop=sl.training.steps,
         log=log,
         verify_replicas=sl.redundancy.verify_replicas,
-        hooks=[_TrackSteps(tracker, log)],
+        hooks=[_TrackSteps(tracker, log, engine, evaluator)],
     )
     assert end.stopped_at is None  # no hook here stops the loop
     losses = list(log.losses.values())
     step_times = list(log.step_times.values())
 
-    digest = export_final_model(engine, worker.hf_config, output_dir)
+    digest = export_final_model(engine, worker.hf_config, output_dir, cfg)
     per_rank = torch.tensor(
         [peak_rss_mib(), engine.redundant_s, engine.replica_sync_s], dtype=torch.float64
     )
@@ -298,7 +380,8 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "checkpoint_fallbacks": 0,
             "steps_redone": 0,
             "recovery_events": [],
-            "data": worker.corpus.summary(),
+            "data": worker.inputs.summary(),
+            **eval_fields(evaluations),
         }
         write_json_atomic(output_dir / SUMMARY_NAME, summary)
     tracker.finish(summary)

@@ -379,10 +379,24 @@ def format_summary(s: dict[str, Any], output: Path) -> str:
             f"  preemptions {s['preemptions']}  recoveries {s['recoveries']}  "
             f"checkpoint fallbacks {s['checkpoint_fallbacks']}  steps redone {s.get('steps_redone', 0)}",
             *recovery_lines(s),
+            *eval_lines(s, output),
             f"  param_sha256 {s['param_sha256']}",
             f"  summary: {output / 'summary.json'}   model: {output / 'model'}",
         ]
     )
+
+
+def eval_lines(s: dict[str, Any], output: Path) -> list[str]:
+    """The last evaluation and the best one (whose model is ``best`` in the output)."""
+    evaluations = s.get("eval") or []
+    best = s.get("best_eval")
+    if not evaluations or best is None:
+        return []
+    last = evaluations[-1]
+    return [
+        f"  eval loss {last['loss']:.4f} ppl {last['perplexity']:.2f} at step {last['step']}; "
+        f"best {best['loss']:.4f} at step {best['step']}: {output / best['model']}"
+    ]
 
 
 def recovery_lines(s: dict[str, Any]) -> list[str]:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from spotline.auth import AuthStore, job_token
 from spotline.checkpoint_manifest import read_metadata
 from spotline.config import RunConfig
-from spotline.launch.control.checkpoints import CheckpointCommits
+from spotline.launch.control.checkpoints import EVALUATIONS, CheckpointCommits
 from spotline.launch.control.faults import FaultDelivery
 from spotline.launch.control.metrics import RunMetrics
 from spotline.launch.control.recovery import POLICIES, POLL_S, Planner
@@ -46,10 +46,12 @@ from spotline.launch.control.supervisor import JobError, Supervisor, child_envir
 from spotline.plan.layout import Layout, WorkerReport, initial_layout
 from spotline.protocol import (
     JOB_END_KEY,
+    EvalResult,
     Plan,
     Report,
     abort_key,
     entry_key,
+    eval_key,
     leaving_key,
     loss_key,
     lr_key,
@@ -178,6 +180,12 @@ class Coordinator:
                 self.metrics.losses[int(step)] = loss
             for step, lr in metadata.get("learning_rates", {}).items():
                 self.metrics.learning_rates[int(step)] = lr
+            for raw in metadata.get(EVALUATIONS, {}).values():
+                # The stopped run's evaluations: in the summary, and in the store, where rank
+                # 0 reads the earlier ones to tell whether a new one is the best.
+                result = EvalResult.from_json(raw)
+                self.metrics.evaluations[result.step] = result
+                self.store.set(eval_key(result.step), result.encode())
         # No-progress watch (recovery.no_progress_timeout_s): the last progress seen, when a
         # step last committed, and the preemption and start counts at that moment.
         self.stall_progress = 0
@@ -338,6 +346,7 @@ class Coordinator:
             if store.check([loss_key(step)]):
                 self.metrics.losses[step] = float(store.get(loss_key(step)).decode())
                 self.metrics.learning_rates[step] = float(store.get(lr_key(step)).decode())
+        self.metrics.collect_evaluations()
         self.metrics.event(
             "adopted",
             generation=g,
@@ -402,6 +411,7 @@ class Coordinator:
             raise Stopped(self.last_committed(), self.stop_target or self.max_progress())
         end = time.monotonic()
         self.metrics.show_progress(done=self.sl.training.steps)
+        self.metrics.collect_evaluations()
         wall = end - t_start
         # Training time: from the first step to the last commit, recoveries included.
         train_wall_s = end - (self.metrics.first_step_t or t_start)
@@ -674,7 +684,9 @@ class Coordinator:
         self._admit_joiners()
         self._apply_stop()
         self.checkpoints.poll_errors()
+        # A step's loss line before its evaluation's: rank 0 writes the loss first.
         self.metrics.show_progress(done=self.max_progress())
+        self.metrics.collect_evaluations()
         self.metrics.record_throughput()
         if time.monotonic() - self.last_commit_check > 0.5:
             # Checkpoints are committed while a generation runs, not only when it ends.

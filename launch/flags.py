@@ -20,6 +20,10 @@ FLAG_KEYS: dict[str, str] = {
     "data": "spotline.data.path",
     "tokenizer": "spotline.data.tokenizer",
     "instruction_layout": "spotline.data.instruction_layout",
+    "eval_data": "spotline.evaluation.data",
+    "eval_holdout": "spotline.evaluation.holdout_fraction",
+    "eval_every": "spotline.evaluation.interval_steps",
+    "eval_max_samples": "spotline.evaluation.max_samples",
     "redundancy": "spotline.redundancy.mode",
     "wandb": "spotline.tracking.wandb",
     "recovery": "spotline.recovery.mode",
@@ -58,6 +62,28 @@ def add_run_flags(parser: argparse.ArgumentParser, *, with_workers: bool) -> Non
     parser.add_argument(
         "--instruction-layout",
         help="instruction records: pack (default: whole examples share a row) or pad (one a row)",
+    )
+    parser.add_argument(
+        "--eval-data",
+        help="evaluate on this file or folder (read like --data, same tokenizer and --seq-len)",
+    )
+    parser.add_argument(
+        "--eval-holdout",
+        type=float,
+        metavar="FRACTION",
+        help="evaluate on this share of --data's rows (chosen by --seed, never trained on)",
+    )
+    parser.add_argument(
+        "--eval-every",
+        type=int,
+        metavar="K",
+        help="evaluate every K steps (and after the last; default: after the last only)",
+    )
+    parser.add_argument(
+        "--eval-max-samples",
+        type=int,
+        metavar="N",
+        help="evaluate on the eval set's first N rows only (default: all)",
     )
     parser.add_argument("--redundancy", help="off, lazy or eager (Bamboo redundant computation)")
     parser.add_argument(

@@ -36,6 +36,12 @@ SEAMS: dict[str, tuple[str, str]] = {
         "cf4dfb0f5996528b",
         "stores the output in pipe_buffers['outputs'][buffer_id] (read by StashOutput)",
     ),
+    "deepspeed.runtime.pipe.engine.PipelineEngine.eval_batch": (
+        "439640583d6943cf",
+        "SpotlinePipelineEngine.evaluate: module.eval(), a world barrier, the InferenceSchedule "
+        "under no_grad with module.loss_fn per micro-batch; reduce_output=None returns "
+        "fwd_outputs on the last stage, bcast_loss=False broadcasts nothing",
+    ),
     "deepspeed.runtime.engine.DeepSpeedEngine._take_model_step": (
         "c4c6e01aa1fc4e7d",
         "calls clip_fp32_gradients() for fp32 without ZeRO, then optimizer.step()",

@@ -47,7 +47,16 @@ def test_csv_holds_every_row(tmp_path: Path) -> None:
         rows = list(csv.reader(handle))
     assert tuple(rows[0]) == CSV_COLUMNS
     assert len(rows) == 1 + len(timeline.rows) == 15
-    assert rows[2] == ["1.0", "step", "1", "4", "w0=p0:s0;w1=p0:s1;w2=p1:s0;w3=p1:s1", "64.0", ""]
+    assert rows[2] == [
+        "1.0",
+        "step",
+        "1",
+        "4",
+        "w0=p0:s0;w1=p0:s1;w2=p1:s0;w3=p1:s1",
+        "64.0",
+        "",
+        "",
+    ]
     assert rows[3] == [
         "2.0",
         "preempted",
@@ -56,6 +65,7 @@ def test_csv_holds_every_row(tmp_path: Path) -> None:
         "w0=p0:s0;w1=p0:s1;w2=p1:s0;w3=p1:s1",
         "",
         "kill w1",
+        "",
     ]
     assert rows[5][4] == "w0=p0:s0+s1;w2=p1:s0;w3=p1:s1"
     assert rows[6][5] == "40.5"
@@ -215,3 +225,28 @@ def test_plot_of_a_run_with_many_events(tmp_path: Path) -> None:
     # 552 committed steps: one line, without per-point markers at this density.
     [rate_line] = rate.get_lines()
     assert len(rate_line.get_xdata()) == 552 and rate_line.get_marker() == "None"
+
+
+def test_a_run_that_evaluated_has_an_eval_loss_series(tmp_path: Path) -> None:
+    """Evaluation rows carry their loss: a CSV column, and a fourth panel under the others."""
+    timeline = hand_made_timeline()
+    timeline.record(4.5, "eval", 2, 3, {"w0": "p0:s0+s1"}, None, "perplexity:20.0", eval_loss=3.0)
+    timeline.record(11.5, "eval", 3, 1, {"w0": "p0:s0+s1"}, None, eval_loss=2.5)
+    path = tmp_path / "timeline.csv"
+    timeline.write_csv(path)
+    with open(path, newline="") as handle:
+        rows = list(csv.reader(handle))
+    assert rows[0][-1] == "eval_loss"
+    assert [(row[1], row[-1]) for row in rows[1:] if row[-1]] == [("eval", "3.0"), ("eval", "2.5")]
+    figure = timeline.plot_png(tmp_path / "timeline.png", "evaluated")
+    assert_png(tmp_path / "timeline.png")
+    assert [ax.get_ylabel() for ax in figure.axes] == [
+        "live workers",
+        "placement",
+        "samples/s",
+        "eval loss",
+    ]
+    eval_ax = figure.axes[3]
+    assert eval_ax.get_xlabel() == "time since start (s)"
+    [line] = eval_ax.get_lines()
+    assert points(line) == [(4.5, 3.0), (11.5, 2.5)]

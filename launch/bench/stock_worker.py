@@ -61,7 +61,8 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
     )
     seed_everything(sl.training.seed)
     # The same model config and corpus as Spotline's entry points.
-    hf_config, corpus = prepare_inputs(cfg)
+    inputs = prepare_inputs(cfg)
+    hf_config, corpus = inputs.hf_config, inputs.corpus
     samples_per_step = cfg.samples_per_step
     init_distributed()
     t_setup = time.perf_counter()

@@ -2,7 +2,8 @@
 
 Workers write each stage's file of a checkpoint (pipeline 0, in a background thread); the
 coordinator commits a step (writes its manifest, with the losses and learning rates of the
-steps before it, so that a resumed run's summary has every step) once every stage's file is
+steps before it and the evaluations up to it, so that a resumed run's summary has every
+step and a resumed run knows its best evaluation) once every stage's file is
 there. Only the manifest half of the checkpoints is read here
 (:mod:`spotline.checkpoint_manifest`, no torch): the workers wrote every file and its
 sidecar already. A worker that cannot write a file says so in the store
@@ -15,12 +16,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from spotline.checkpoint_manifest import MANIFEST, commit_manifest, latest_complete, step_dir
 from spotline.config import RunConfig
 from spotline.launch.control.metrics import RunMetrics
 from spotline.launch.control.supervisor import JobError
 from spotline.protocol import CheckpointWriteError, Store, checkpoint_error_key
+
+# The manifest's metadata key of the evaluations up to its step (a resume reports them).
+EVALUATIONS = "evaluations"
 
 
 class CheckpointCommits:
@@ -89,13 +94,19 @@ class CheckpointCommits:
             # ``step`` is in the store once the files are. Kept with the checkpoint, so
             # that a resumed run's summary has every step's loss.
             self.metrics.collect_step_values(step)
-            metadata = {
+            metadata: dict[str, dict[str, Any]] = {
                 name: {str(s): values[s] for s in range(step) if s in values}
                 for name, values in (
                     ("losses", self.metrics.losses),
                     ("learning_rates", self.metrics.learning_rates),
                 )
             }
+            if self.cfg.spotline.evaluation.enabled:
+                # Rank 0 reports the evaluation of a boundary before its checkpoint file too.
+                self.metrics.collect_evaluations()
+                metadata[EVALUATIONS] = {
+                    str(s): r.to_json() for s, r in self.metrics.evaluations.items() if s <= step
+                }
             try:
                 if commit_manifest(self.root, step, labels, keep=keep, metadata=metadata):
                     self.committed.add(step)

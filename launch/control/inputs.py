@@ -6,7 +6,8 @@ DeepSpeed: seconds of imports that the coordinator, the process that never train
 hold. So ``spotline train`` runs the check in a short-lived child (``python -m
 spotline.launch.control.inputs``, the resolved config as JSON on stdin) that exits with
 :data:`USER_ERROR_EXIT` and the user error's one line on stdout, or 0 and what the data
-turned into (the corpus's ``summary()``, for ``summary.json``'s ``data``) as the last line
+turned into (``spotline.trainer.Inputs.summary``: the corpus's ``summary()`` and the eval
+set's, for ``summary.json``'s ``data``) as the last line
 of its stdout; what the data's loading has to tell the user once (records truncated to
 ``--seq-len``) it prints on stderr, which reaches the user's terminal. The child does what a
 worker does before it can join (an interpreter, these imports, the corpus), so its wall time
@@ -36,7 +37,7 @@ class CheckedInputs:
 
     # The child's wall time: a lower bound of a worker's start-up.
     startup_s: float
-    # The corpus's summary() (spotline.data): summary.json's "data".
+    # What the data became (spotline.trainer.Inputs.summary): summary.json's "data".
     data: dict[str, Any]
 
 
@@ -82,13 +83,13 @@ def main() -> int:
 
     cfg = parse_config(json.loads(sys.stdin.read()), source=sys.argv[1])
     try:
-        _, corpus = prepare_inputs(cfg)
+        inputs = prepare_inputs(cfg)
     except UserError as exc:
         print(str(exc), flush=True)
         return USER_ERROR_EXIT
-    for note in corpus.notes():
+    for note in inputs.data.notes():
         print(f"spotline: {note}", file=sys.stderr, flush=True)
-    print(json.dumps(corpus.summary()), flush=True)
+    print(json.dumps(inputs.summary()), flush=True)
     return 0
 
 

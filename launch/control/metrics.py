@@ -3,8 +3,10 @@
 :class:`RunMetrics` holds the run's counters (preemptions, recoveries, checkpoint
 fallbacks, steps redone), its events and timeline (``spotline.report``), the per-step
 losses, learning rates and step times, and what each worker measured (its last
-:class:`~spotline.protocol.Report`). It prints the progress lines (a line every tenth of the
-run) and builds ``summary.json`` (:meth:`RunMetrics.summary`) and the wandb log.
+:class:`~spotline.protocol.Report`), and the evaluations rank 0 reports
+(:class:`~spotline.protocol.EvalResult`). It prints the progress lines (a line every tenth
+of the run, one per evaluation) and builds ``summary.json`` (:meth:`RunMetrics.summary`)
+and the wandb log.
 
 What the timeline needs of the job at each event (the step reached, the live workers and
 what each does) comes from a ``snapshot`` callable the coordinator gives it (called only
@@ -23,18 +25,22 @@ from pathlib import Path
 from typing import Any
 
 from spotline.config import RunConfig
+from spotline.plan.evaluation import eval_steps
 from spotline.plan.layout import Layout
 from spotline.plan.placement import Exposure
 from spotline.protocol import (
     FINAL_HASH_KEY,
     CheckpointWriteError,
+    EvalResult,
     Report,
     Store,
     WorkerStats,
+    eval_key,
     loss_key,
     lr_key,
 )
 from spotline.report import Timeline, summarize_recoveries
+from spotline.tracking import eval_fields, eval_line
 
 THROUGHPUT_EVERY_S = 1.0
 
@@ -90,6 +96,9 @@ class RunMetrics:
         self.losses: dict[int, float] = {}
         self.learning_rates: dict[int, float] = {}
         self.step_times: dict[int, float] = {}
+        # Every evaluation reported (rank 0 writes evaluation/<step>), each taken once by step: a
+        # replayed one carries the same numbers.
+        self.evaluations: dict[int, EvalResult] = {}
         self.peaks: dict[str, float] = {}
         self.worker_stats: dict[str, WorkerStats] = {}
         self.checkpoint_write_errors: list[CheckpointWriteError] = []
@@ -180,6 +189,37 @@ class RunMetrics:
             for key, values in ((loss_key(s), self.losses), (lr_key(s), self.learning_rates)):
                 if (refresh or s not in values) and self.store.check([key]):
                     values[s] = float(self.store.get(key).decode())
+
+    def collect_evaluations(self) -> None:
+        """Take the evaluations reported since the last call: each once, with a timeline row
+        (its loss) and a progress line. They come in step order (a generation evaluates its
+        resume step first if that one is missing), so the first step not reported ends
+        the look-up."""
+        ev = self.cfg.spotline.evaluation
+        if not ev.enabled:
+            return
+        steps = self.cfg.spotline.training.steps
+        for step in eval_steps(ev.interval_steps, steps):
+            if step in self.evaluations:
+                continue
+            key = eval_key(step)
+            if not self.store.check([key]):
+                return
+            result = EvalResult.decode(self.store.get(key))
+            self.evaluations[step] = result
+            _, live, placement = self.snapshot()
+            self.timeline.record(
+                self.now(),
+                "eval",
+                step,
+                live,
+                placement,
+                None,
+                f"perplexity:{result.perplexity!r}",
+                eval_loss=result.loss,
+            )
+            if self.cfg.spotline.tracking.progress:
+                print(eval_line(result, steps), file=sys.stderr, flush=True)
 
     # -- live output ---------------------------------------------------------------------
     def record_throughput(self) -> None:
@@ -315,6 +355,7 @@ class RunMetrics:
             "generations": generations,
             "coordinator_heavy_modules": [m for m in HEAVY_MODULES if m in sys.modules],
             "events": [{"t_s": round(e.t_s, 3), "kind": e.kind, **e.detail} for e in self.events],
+            **eval_fields(self.evaluations),
         }
 
     def _final_values(self) -> tuple[list[float | None], list[float | None]]:
@@ -336,7 +377,8 @@ class RunMetrics:
             print(f"spotline: timeline plot skipped: {exc}", file=sys.stderr)
 
     def log_to_wandb(self, summary: dict[str, Any], output: Path) -> None:
-        """Per-step losses and the recovery events, to wandb (offline unless configured)."""
+        """Per-step losses, the evaluations (at the step their parameters trained next) and
+        the recovery events, to wandb (offline unless configured)."""
         tracking = self.cfg.spotline.tracking
         if tracking.wandb == "disabled":
             return
@@ -357,6 +399,11 @@ class RunMetrics:
             if loss is not None:
                 metrics = {"loss": loss, "step_time_s": self.step_times.get(step, 0.0)}
                 tracker.log_step(step, metrics if lr is None else {**metrics, "lr": lr})
+            if step in self.evaluations:
+                tracker.log_eval(self.evaluations[step])
+        # The evaluation after the last step, at a step of its own (wandb's steps only grow).
+        for step in sorted(s for s in self.evaluations if s >= len(summary["losses"])):
+            tracker.log_eval(self.evaluations[step])
         for event in summary["events"]:
             tracker.log_event(event["kind"], {k: v for k, v in event.items() if k != "kind"})
         tracker.finish(summary)
