@@ -573,7 +573,7 @@ class ElasticWorker:
         try:
             self._join_process_group(generation, rank, world)
             # Every group's pairs connected at its creation: see spotline.group_setup.
-            with connected_new_groups(self._connect_timeout(), self._collective_timeout()):
+            with connected_new_groups(self._collective_timeout()):
                 engine = self._build_engine(layout)
             assert plan.logical is not None  # a plan with a layout assigns logical workers
             self._place_logical_workers(engine, plan.logical)
@@ -622,7 +622,6 @@ class ElasticWorker:
             dist.PrefixStore(process_group_prefix(generation), self._generation_store),
             rank,
             world,
-            connect=self._connect_timeout(),
             collective=self._collective_timeout(),
         )
         import deepspeed
@@ -633,15 +632,6 @@ class ElasticWorker:
 
     def _collective_timeout(self) -> timedelta:
         return timedelta(seconds=self.cfg.spotline.recovery.collective_timeout_s)
-
-    def _connect_timeout(self) -> timedelta:
-        """How long a new group's pairs may take to connect (spotline.group_setup): a tenth of
-        the collectives' timeout. A live member connects in milliseconds once every address
-        is written; gloo's set-up of a group waits up to five times this for a lost one
-        (measured on torch 2.13: 2 s gave 10 s, 3 s gave 15 s), which keeps the survivors
-        well inside the collectives' timeout, after which the coordinator takes them for
-        hung."""
-        return timedelta(seconds=self.cfg.spotline.recovery.collective_timeout_s / 10)
 
     def _abort_generation(self, generation: int) -> None:
         """Tell every member at once (their watchdogs unblock them), and unblock our peers."""

@@ -29,7 +29,6 @@ import os
 import shutil
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,13 +37,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from spotline.config import RunConfig
-from spotline.data import PackedCorpus, load_corpus
-from spotline.errors import UserError
+from spotline.inputs import EvalSet as EvalSet  # re-exported: where evaluation is
+from spotline.inputs import prepare_eval_set as prepare_eval_set
 from spotline.instructions import IGNORE_INDEX
 from spotline.plan.evaluation import (
-    EvalBatches,
     LossSum,
-    holdout_split,
     improves,
     is_due,
     perplexity,
@@ -64,96 +61,6 @@ EVAL_NOTE = "spotline-eval.json"
 """The evaluation a saved model directory is from (:class:`EvalResult` as JSON)."""
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class EvalSet:
-    """The rows evaluated (``corpus``, in order), their micro-batches, and what they are
-    (``description``: ``summary.json``'s ``data.eval``)."""
-
-    corpus: PackedCorpus
-    batches: EvalBatches
-    description: Mapping[str, Any]
-
-    def batch(self, micro_batch: int) -> Batch:
-        """``(input_ids, labels)`` of eval micro-batch ``micro_batch``: its rows, topped up
-        to the micro-batch size with copies of its first row whose labels are all
-        :data:`IGNORE_INDEX` (they add nothing to the loss sum or the count, and keep the
-        pipeline's buffer shapes)."""
-        rows = list(self.batches.rows(micro_batch))
-        input_ids, labels = self.corpus.batch(rows)
-        missing = self.batches.micro_batch_size - len(rows)
-        if missing:
-            input_ids = torch.cat([input_ids, input_ids[:1].expand(missing, -1)])
-            ignored = torch.full((missing, labels.shape[1]), IGNORE_INDEX, dtype=labels.dtype)
-            labels = torch.cat([labels, ignored])
-        return input_ids.contiguous(), labels.contiguous()
-
-
-def prepare_eval_set(cfg: RunConfig, corpus: PackedCorpus) -> tuple[PackedCorpus, EvalSet | None]:
-    """The rows to train on and the eval set of ``cfg`` (None: evaluation is off).
-
-    A held-out fraction is removed from ``corpus``; an eval file leaves it whole. Raises
-    UserError (one line) when the eval set cannot fill one micro-batch, when the rows left
-    cannot fill one training step, or when the eval file cannot be read."""
-    ev = cfg.spotline.evaluation
-    if not ev.enabled:
-        return corpus, None
-    description: dict[str, Any]
-    if ev.holdout_fraction is not None:
-        split = holdout_split(len(corpus), ev.holdout_fraction, cfg.spotline.training.seed)
-        train = corpus.select(split.train)
-        if len(train) < cfg.samples_per_step:
-            raise UserError(
-                f"--eval-holdout {ev.holdout_fraction} holds out {len(split.held_out)} of the "
-                f"{len(corpus)} rows of --data, leaving {len(train)}, fewer than the "
-                f"{cfg.samples_per_step} one training step needs; hold out less or use more data"
-            )
-        evaluated = corpus.select(split.held_out) if split.held_out else None
-        where = f"--eval-holdout {ev.holdout_fraction} ({len(split.held_out)} rows)"
-        description = {
-            "source": "holdout",
-            "holdout_fraction": ev.holdout_fraction,
-            "held_out_rows": len(split.held_out),
-            "train_rows": len(train),
-        }
-    else:
-        assert ev.data is not None  # enabled: a file or a fraction
-        train = corpus
-        evaluated = _load_eval_file(cfg, ev.data)
-        where = f"--eval-data {ev.data!r} ({len(evaluated)} rows)"
-        description = {"source": "file", "path": ev.data, **evaluated.summary()}
-    available = 0 if evaluated is None else len(evaluated)
-    rows = available if ev.max_samples is None else min(ev.max_samples, available)
-    size = cfg.micro_batch_size
-    if evaluated is None or rows < size:
-        limit = f", limited to {ev.max_samples} by --eval-max-samples" if rows < available else ""
-        raise UserError(
-            f"the evaluation set {where}{limit} is smaller than one micro-batch of {size} "
-            f"rows of --seq-len {cfg.spotline.model.seq_len} + 1 tokens; use a larger "
-            "evaluation set or a smaller --micro-batch-size"
-        )
-    if rows < available:
-        evaluated = evaluated.select(range(rows))
-    batches = EvalBatches(rows, size)
-    description.update(rows=rows, micro_batches=batches.num_micro_batches)
-    return train, EvalSet(evaluated, batches, description)
-
-
-def _load_eval_file(cfg: RunConfig, path: str) -> PackedCorpus:
-    """``--eval-data`` through the loader ``--data`` goes through (same tokenizer, seq_len
-    and instruction layout); its size is checked by the caller."""
-    sl = cfg.spotline
-    try:
-        return load_corpus(
-            path,
-            sl.data.tokenizer,
-            sl.model.seq_len,
-            min_sequences=0,
-            instruction_layout=sl.data.instruction_layout,
-        )
-    except UserError as exc:
-        raise UserError(f"--eval-data {path}: {exc}") from None
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -9,14 +9,17 @@ first use leaves that side waiting with nothing the watchdog can shut
 (``spotline.stores.AbortableStore``): the coordinator kills the process as unresponsive,
 with the stages it holds in memory.
 
-So groups are created under a short timeout (a live member connects in milliseconds once
-every address is written; gloo's creation of a group waits up to five times its timeout for
-a pair), and each group's pairs are all used once (an all-to-all of one element a member)
-right after the group is created, when every member has just written its address and is
-alive; the group then runs its collectives under the collectives' timeout. From then on every peer a member may block on has a socket,
-which the watchdog shuts when the generation is aborted. A machine lost while a group is
-created or warmed costs its peers at most the short timeout, and the generation fails and is
-planned again without it.
+So every group is set up within a bound (:func:`setup_bound`: ten seconds, or the collectives'
+timeout if shorter): it is created under a fifth of it (gloo waits up to five times a group's
+timeout for a pair to connect while creating it: measured on torch 2.13, 2 s gave 10 s and
+3 s gave 15 s), then each of its pairs is used once (an all-to-all of one element a member,
+under the bound) right after, while every member has just written its address and is alive;
+the group then runs its collectives under the collectives' timeout. A live member connects
+in milliseconds: the bound only leaves room for a loaded machine's scheduling. From then on
+every peer a member may block on has a socket, which the watchdog shuts when the generation
+is aborted; a machine lost while a group is set up costs its peers at most the bound, well
+inside the collectives' timeout after which the coordinator takes them for hung, and the
+generation fails and is planned again without it.
 
 The default group is created here; DeepSpeed creates the pipeline and data-parallel groups
 with ``torch.distributed.new_group`` (looked up at call time, a pinned seam: see
@@ -35,6 +38,17 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+SETUP_BOUND = timedelta(seconds=10)
+"""The most a group's set-up may take, where the collectives' timeout is longer."""
+# gloo's creation of a group waits up to this many times the group's timeout for a pair.
+GLOO_CONNECT_WAITS = 5
+
+
+def setup_bound(collective: timedelta) -> timedelta:
+    """How long setting a group up may take: :data:`SETUP_BOUND`, or ``collective`` if
+    shorter."""
+    return min(SETUP_BOUND, collective)
+
 
 def connect_all_pairs(group: dist.ProcessGroup) -> None:
     """Use every pair of ``group`` once (gloo's all-to-all sends to each member in turn)."""
@@ -43,37 +57,36 @@ def connect_all_pairs(group: dist.ProcessGroup) -> None:
         dist.all_to_all_single(torch.zeros(size), torch.zeros(size), group=group)
 
 
-def _connected(group: dist.ProcessGroup, connect: timedelta, collective: timedelta) -> None:
-    # Under the short timeout: every member is in this call or about to be.
-    c10d._set_pg_timeout(connect, group)
+def _connected(group: dist.ProcessGroup, collective: timedelta) -> None:
+    # Under the set-up bound: every member is in this call or about to be.
+    c10d._set_pg_timeout(setup_bound(collective), group)
     connect_all_pairs(group)
     c10d._set_pg_timeout(collective, group)
 
 
 def init_generation_group(
-    store: dist.Store, rank: int, world_size: int, *, connect: timedelta, collective: timedelta
+    store: dist.Store, rank: int, world_size: int, *, collective: timedelta
 ) -> None:
     """The default gloo group over ``store``, every pair connected, collectives under
-    ``collective``; a member lost meanwhile raises within about ``connect``."""
-    assert connect <= collective, (connect, collective)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=connect)
-    _connected(dist.group.WORLD, connect, collective)  # type: ignore[arg-type]
+    ``collective``; a member lost meanwhile raises within about :func:`setup_bound`."""
+    create = setup_bound(collective) / GLOO_CONNECT_WAITS
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=create)
+    _connected(dist.group.WORLD, collective)  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager
-def connected_new_groups(connect: timedelta, collective: timedelta) -> Iterator[None]:
+def connected_new_groups(collective: timedelta) -> Iterator[None]:
     """Inside the block, each group ``torch.distributed.new_group`` creates (DeepSpeed's and
     Spotline's alike) is connected on creation and then runs under ``collective``."""
-    assert connect <= collective, (connect, collective)
     original: Callable[..., Any] = dist.new_group
 
     def new_group(*args: Any, **kwargs: Any) -> Any:
         assert len(args) <= 1, "timeout and later arguments by name"  # DeepSpeed passes ranks only
-        kwargs["timeout"] = connect
+        kwargs["timeout"] = setup_bound(collective) / GLOO_CONNECT_WAITS
         group = original(*args, **kwargs)
         # Every rank calls new_group for every group; only members get a group to warm.
         if isinstance(group, dist.ProcessGroup) and not c10d._rank_not_in_group(group):
-            _connected(group, connect, collective)
+            _connected(group, collective)
         return group
 
     dist.new_group = new_group

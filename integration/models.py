@@ -54,182 +54,13 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from torch import Tensor, nn
 
 from spotline.errors import UserError
-
-# Byte-level vocabulary: 256 byte values plus a few specials (256 = bos/eos).
-_BYTE_VOCAB_SIZE = 260
-_BOS_EOS_ID = 256
-
-PRESETS: dict[str, dict[str, Any]] = {
-    "gpt2-tiny": {
-        "model_type": "gpt2",
-        "n_layer": 4,
-        "n_embd": 64,
-        "n_head": 4,
-        "n_positions": 128,
-        "vocab_size": _BYTE_VOCAB_SIZE,
-        "bos_token_id": _BOS_EOS_ID,
-        "eos_token_id": _BOS_EOS_ID,
-        "tie_word_embeddings": True,
-        "resid_pdrop": 0.1,
-        "embd_pdrop": 0.1,
-        "attn_pdrop": 0.1,
-    },
-    "gpt2-small-test": {
-        "model_type": "gpt2",
-        "n_layer": 8,
-        "n_embd": 128,
-        "n_head": 4,
-        "n_positions": 256,
-        "vocab_size": _BYTE_VOCAB_SIZE,
-        "bos_token_id": _BOS_EOS_ID,
-        "eos_token_id": _BOS_EOS_ID,
-        "tie_word_embeddings": True,
-        "resid_pdrop": 0.1,
-        "embd_pdrop": 0.1,
-        "attn_pdrop": 0.1,
-    },
-    "llama-tiny": {
-        "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "intermediate_size": 128,
-        "vocab_size": _BYTE_VOCAB_SIZE,
-        "max_position_embeddings": 128,
-        "bos_token_id": _BOS_EOS_ID,
-        "eos_token_id": _BOS_EOS_ID,
-        "tie_word_embeddings": True,
-    },
-    "neox-tiny": {
-        "model_type": "gpt_neox",
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "intermediate_size": 256,
-        "vocab_size": _BYTE_VOCAB_SIZE,
-        "max_position_embeddings": 128,
-        "bos_token_id": _BOS_EOS_ID,
-        "eos_token_id": _BOS_EOS_ID,
-        "tie_word_embeddings": False,
-    },
-}
+from spotline.model_config import PRESETS as PRESETS  # re-exported: callers say models.*
+from spotline.model_config import arch_of, is_tied
+from spotline.model_config import load_hf_config as load_hf_config
+from spotline.model_config import num_blocks as num_blocks
 
 # Class name the "type:" partition method counts: only transformer blocks weigh anything.
 _BLOCK_CLASS_NAME = "TransformerBlockPipe"
-
-
-@dataclass(frozen=True)
-class _Arch:
-    """Where an architecture keeps its parts, as HF submodule paths (None: has no such part)."""
-
-    tok_embed: str
-    pos_embed: str | None
-    embed_dropout: str | None
-    blocks: str
-    rotary: str | None
-    final_norm: str
-    lm_head: str
-
-
-_ARCHS: dict[str, _Arch] = {
-    "gpt2": _Arch(
-        tok_embed="transformer.wte",
-        pos_embed="transformer.wpe",
-        embed_dropout="transformer.drop",
-        blocks="transformer.h",
-        rotary=None,
-        final_norm="transformer.ln_f",
-        lm_head="lm_head",
-    ),
-    "llama": _Arch(
-        tok_embed="model.embed_tokens",
-        pos_embed=None,
-        embed_dropout=None,
-        blocks="model.layers",
-        rotary="model.rotary_emb",
-        final_norm="model.norm",
-        lm_head="lm_head",
-    ),
-    "gpt_neox": _Arch(
-        tok_embed="gpt_neox.embed_in",
-        pos_embed=None,
-        embed_dropout="gpt_neox.emb_dropout",
-        blocks="gpt_neox.layers",
-        rotary="gpt_neox.rotary_emb",
-        final_norm="gpt_neox.final_layer_norm",
-        lm_head="lm_head",
-    ),
-}
-
-
-def _arch(hf_config: transformers.PretrainedConfig) -> _Arch:
-    model_type = hf_config.model_type
-    if model_type not in _ARCHS:
-        raise UserError(
-            f"model type {model_type!r} is not supported; use a {', '.join(sorted(_ARCHS))} model"
-        )
-    return _ARCHS[model_type]
-
-
-def _is_tied(hf_config: transformers.PretrainedConfig) -> bool:
-    return bool(getattr(hf_config, "tie_word_embeddings", False))
-
-
-# ---------------------------------------------------------------------------------------
-# Configs
-
-
-def load_hf_config(
-    spec: str, overrides: Mapping[str, Any] | None = None
-) -> transformers.PretrainedConfig:
-    """Return the HF config for a preset name or a directory written by ``save_pretrained``.
-
-    Always selects the SDPA attention implementation: a transformers 5.x block built
-    directly from a config otherwise runs without a causal mask. ``overrides`` sets existing
-    config attributes (e.g. dropout probabilities to 0.0); an unknown one is a UserError.
-    """
-    presets = ", ".join(PRESETS)
-    if spec in PRESETS:
-        fields = dict(PRESETS[spec])
-        model_type = fields.pop("model_type")
-        config = transformers.AutoConfig.for_model(model_type, **fields)
-    elif os.path.isdir(spec):
-        if not os.path.isfile(os.path.join(spec, "config.json")):
-            raise UserError(
-                f"model directory {spec!r} has no config.json; "
-                "pass a directory written by save_pretrained or one of the presets " + presets
-            )
-        try:
-            config = transformers.AutoConfig.from_pretrained(spec, local_files_only=True)
-        except (OSError, ValueError, KeyError) as exc:
-            first_line = (
-                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            )
-            raise UserError(
-                f"model directory {spec!r}: config.json could not be read ({first_line}); "
-                "rewrite it with save_pretrained"
-            ) from exc
-    else:
-        raise UserError(
-            f"model {spec!r}: no such preset or directory; use one of {presets} "
-            "or a directory written by save_pretrained"
-        )
-    _arch(config)  # an unsupported architecture fails here, before anything is built
-    for name, value in (overrides or {}).items():
-        if name.startswith("_") or not hasattr(config, name):
-            raise UserError(
-                f"model override {name!r}: {type(config).__name__} has no such attribute; "
-                "check the spelling against the model's config.json"
-            )
-        setattr(config, name, value)
-    config._attn_implementation = "sdpa"
-    return config
-
-
-def num_blocks(hf_config: transformers.PretrainedConfig) -> int:
-    """Number of transformer blocks (pipeline layers that carry the compute)."""
-    return int(hf_config.num_hidden_layers)
 
 
 # ---------------------------------------------------------------------------------------
@@ -329,7 +160,7 @@ class TokenEmbeddingPipe(nn.Module):
 
     def __init__(self, source: WeightSource) -> None:
         super().__init__()
-        self.embedding = source.copy_of(_arch(source.hf_config).tok_embed)
+        self.embedding = source.copy_of(arch_of(source.hf_config).tok_embed)
 
     def forward(self, input_ids: Tensor) -> Tensor:
         return cast(Tensor, self.embedding(input_ids))
@@ -346,7 +177,7 @@ class TiedLMHeadPipe(nn.Module):
 
     def __init__(self, source: WeightSource) -> None:
         super().__init__()
-        self.embedding = source.copy_of(_arch(source.hf_config).tok_embed)
+        self.embedding = source.copy_of(arch_of(source.hf_config).tok_embed)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         # The same op as HF's bias-free nn.Linear lm_head.
@@ -358,7 +189,7 @@ class EmbeddingPostPipe(nn.Module):
 
     def __init__(self, source: WeightSource) -> None:
         super().__init__()
-        arch = _arch(source.hf_config)
+        arch = arch_of(source.hf_config)
         self.wpe = source.copy_of(arch.pos_embed) if arch.pos_embed else None
         self.drop = source.copy_of(arch.embed_dropout) if arch.embed_dropout else None
 
@@ -385,7 +216,7 @@ class TransformerBlockPipe(nn.Module):
 
     def __init__(self, source: WeightSource, block_idx: int) -> None:
         super().__init__()
-        arch = _arch(source.hf_config)
+        arch = arch_of(source.hf_config)
         self.block = source.copy_of(f"{arch.blocks}.{block_idx}")
         # Non-persistent buffers only: adds nothing to the state dict.
         self.rotary = source.copy_of(arch.rotary) if arch.rotary else None
@@ -409,7 +240,7 @@ class FinalNormPipe(nn.Module):
 
     def __init__(self, source: WeightSource) -> None:
         super().__init__()
-        self.norm = source.copy_of(_arch(source.hf_config).final_norm)
+        self.norm = source.copy_of(arch_of(source.hf_config).final_norm)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         return cast(Tensor, self.norm(hidden_states))
@@ -420,7 +251,7 @@ class LMHeadPipe(nn.Module):
 
     def __init__(self, source: WeightSource) -> None:
         super().__init__()
-        self.head = source.copy_of(_arch(source.hf_config).lm_head)
+        self.head = source.copy_of(arch_of(source.hf_config).lm_head)
 
     def forward(self, hidden_states: Tensor) -> Tensor:
         return cast(Tensor, self.head(hidden_states))
@@ -440,8 +271,8 @@ class _LayerSlot:
 
 def _layout(hf_config: transformers.PretrainedConfig) -> tuple[int, list[_LayerSlot]]:
     """Number of pipeline layers and the name prefixes of every parameterised part."""
-    arch = _arch(hf_config)
-    tied = _is_tied(hf_config)
+    arch = arch_of(hf_config)
+    tied = is_tied(hf_config)
     slots: list[_LayerSlot] = []
     idx = 0
     slots.append(_LayerSlot(f"{idx}.embedding.", f"{arch.tok_embed}."))
@@ -474,7 +305,7 @@ def tied_copies(hf_config: transformers.PretrainedConfig) -> dict[str, str]:
     ``{"<last>.embedding.weight": "0.embedding.weight"}`` for a tied model, ``{}`` otherwise.
     A copy is counted once (as its original) in norms and hashes.
     """
-    if not _is_tied(hf_config):
+    if not is_tied(hf_config):
         return {}
     return {f"{num_layers(hf_config) - 1}.embedding.weight": "0.embedding.weight"}
 
@@ -487,10 +318,10 @@ def drop_tied_aliases(
     What remains has the names of the HF model's ``named_parameters()``: each tied weight
     once, so hashes and norms count it once.
     """
-    arch = _arch(hf_config)
+    arch = arch_of(hf_config)
     alias = f"{arch.lm_head}.weight"
     out = dict(hf_state)
-    if _is_tied(hf_config) and alias in out:
+    if is_tied(hf_config) and alias in out:
         tensor = out.pop(alias)
         embedding = out.get(f"{arch.tok_embed}.weight")
         if embedding is not None and not torch.equal(embedding, tensor):
@@ -529,7 +360,7 @@ def hf_to_layer_names(
     alias is absent (``named_parameters()`` omits it) the copy is the input embedding.
     Inverse of :func:`layer_names_to_hf`.
     """
-    arch = _arch(hf_config)
+    arch = arch_of(hf_config)
     pairs = [(slot.hf_prefix, slot.pipe_prefix) for slot in _layout(hf_config)[1]]
     drop_tied_aliases(hf_state, hf_config)  # checks that a given alias equals the embedding
     out = {_swap_prefix(name, pairs, "Hugging Face"): tensor for name, tensor in hf_state.items()}
@@ -553,7 +384,7 @@ def build_layer_specs(
     ``pretrained_dir``) on first use, so they equal :func:`reference_model`'s whatever the
     partition. Call ``release_weight_source(specs)`` once the PipelineModule is built.
     """
-    arch = _arch(hf_config)
+    arch = arch_of(hf_config)
     source = WeightSource(hf_config, seed, pretrained_dir)
     specs: list[LayerSpec] = []
     specs.append(LayerSpec(TokenEmbeddingPipe, source))
@@ -562,7 +393,7 @@ def build_layer_specs(
     for block_idx in range(num_blocks(hf_config)):
         specs.append(LayerSpec(TransformerBlockPipe, source, block_idx))
     specs.append(LayerSpec(FinalNormPipe, source))
-    if _is_tied(hf_config):
+    if is_tied(hf_config):
         specs.append(LayerSpec(TiedLMHeadPipe, source))
     else:
         specs.append(LayerSpec(LMHeadPipe, source))
@@ -584,7 +415,7 @@ def partition_method(hf_config: transformers.PretrainedConfig) -> str:
     Only TransformerBlockPipe layers weigh anything; the embedding goes with the first stage
     and the norm and head with the last.
     """
-    _arch(hf_config)
+    arch_of(hf_config)
     return f"type:{_BLOCK_CLASS_NAME}"
 
 
@@ -610,7 +441,7 @@ def logical_parts(hf_config: transformers.PretrainedConfig, num_stages: int) -> 
     from deepspeed.runtime import utils as ds_utils
 
     weights = [0] * num_layers(hf_config)
-    first_block = 2 if (_arch(hf_config).pos_embed or _arch(hf_config).embed_dropout) else 1
+    first_block = 2 if (arch_of(hf_config).pos_embed or arch_of(hf_config).embed_dropout) else 1
     for block_idx in range(num_blocks(hf_config)):
         weights[first_block + block_idx] = 1
     return [int(p) for p in ds_utils.partition_balanced(weights=weights, num_parts=num_stages)]

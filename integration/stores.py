@@ -280,11 +280,7 @@ class EtcdV3Store(dist.Store):
         return self._all_present(keys)[0]
 
     def wait(self, keys: list[str], override_timeout: timedelta | None = None) -> None:
-        # gloo passes its group's timeout, which is only the pair connect's while a generation
-        # sets up (spotline.group_setup): a slow but live member is waited for as long as a
-        # collective would be, and a lost one ends the wait through ``aborted``.
-        own = self._timeout()
-        timeout = own if override_timeout is None else max(own, override_timeout)
+        timeout = self._timeout() if override_timeout is None else override_timeout
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
             present, revision = self._all_present(keys)

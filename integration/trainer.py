@@ -27,7 +27,9 @@ from spotline import data as sl_data
 from spotline import models
 from spotline.config import RunConfig
 from spotline.engine import Batch, build_engine, deepspeed_config_for
-from spotline.evaluation import EvalSet, Evaluator, prepare_eval_set
+from spotline.evaluation import Evaluator
+from spotline.inputs import Inputs as Inputs  # re-exported: the entry points' one import
+from spotline.inputs import prepare_inputs as prepare_inputs
 from spotline.loop import EngineLog, StepDone, StepHooks, train_engine
 from spotline.loop import replica_mismatches as _replica_mismatches
 from spotline.plan.layout import pipeline_name
@@ -69,53 +71,6 @@ def quiet_libraries() -> None:
 class WorkerIdentity:
     rank: int
     world_size: int
-
-
-@dataclass(frozen=True)
-class Inputs:
-    """What a run trains on: the model's config, the rows the sampler draws from
-    (``corpus``: without a held-out fraction) and the eval set (None: no evaluation).
-    ``data``: the whole data as loaded (its summary and notes are the run's)."""
-
-    hf_config: Any
-    corpus: sl_data.PackedCorpus
-    eval_set: EvalSet | None
-    data: sl_data.PackedCorpus
-
-    def summary(self) -> dict[str, Any]:
-        """``summary.json``'s ``data``: what the data became, and the eval set's part."""
-        out = self.data.summary()
-        if self.eval_set is not None:
-            out["eval"] = dict(self.eval_set.description)
-        return out
-
-
-def prepare_inputs(cfg: RunConfig) -> Inputs:
-    """Resolve the model config, corpus and eval set; raises UserError on bad input.
-
-    The launcher calls this before starting any worker so that a user mistake is reported
-    once, as one line, with no process started and nothing written.
-    """
-    sl = cfg.spotline
-    hf_config = models.load_hf_config(sl.model.name, sl.model.overrides)
-    num_blocks = models.num_blocks(hf_config)
-    if cfg.num_stages > num_blocks:
-        from spotline.errors import UserError
-
-        raise UserError(
-            f"--stages {cfg.num_stages} is more than the model's {num_blocks} transformer blocks; "
-            f"use at most {num_blocks} stages or a deeper model"
-        )
-    samples_per_step = cfg.samples_per_step
-    corpus = sl_data.load_corpus(
-        sl.data.path,
-        sl.data.tokenizer,
-        sl.model.seq_len,
-        min_sequences=samples_per_step,
-        instruction_layout=sl.data.instruction_layout,
-    )
-    train, eval_set = prepare_eval_set(cfg, corpus)
-    return Inputs(hf_config=hf_config, corpus=train, eval_set=eval_set, data=corpus)
 
 
 def gather_hf_parameters(engine: Any, hf_config: Any) -> dict[str, torch.Tensor] | None:

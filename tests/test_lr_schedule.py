@@ -137,7 +137,9 @@ def same_run(run: dict[str, Any], reference: dict[str, Any]) -> None:
 # Every scheduler's rate at any step is checked without processes above; the kills need
 # only the two whose state is richest (a warm-up then a decay; a cycle of rate and momentum):
 # each real run costs about 40 s of the suite's budget.
-@pytest.mark.parametrize("name", ["OneCycle", "WarmupDecayLR"])
+# OneCycle, the richest: it moves the momentum as well as the rate (every scheduler's values
+# at every step, asked out of order, are checked without processes above).
+@pytest.mark.parametrize("name", ["OneCycle"])
 def test_kills_before_during_and_after_warmup_keep_the_schedule(
     spotline_train, undisturbed, name
 ) -> None:

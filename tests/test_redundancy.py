@@ -16,16 +16,18 @@ from conftest import REPO, run_ranks, small_config, write_config
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-@pytest.mark.parametrize("stages", [2, 4])
+# Four stages: every replica on its successor's worker, the last one's on the first (two
+# stages' replicas are checked step by step by the failover replay test below).
+@pytest.mark.parametrize("stages", [4])
 def test_replicas_stay_bitwise_equal_and_never_change_the_math(spotline_train, stages: int) -> None:
-    steps = 20
+    steps = 10
     config = small_config(training={"steps": steps}, redundancy={"verify_replicas": True})
     flags = ("--workers", str(stages), "--stages", str(stages))
     off = spotline_train(config, *flags, "--redundancy", "off", name="off")
     lazy = spotline_train(config, *flags, "--redundancy", "lazy", name="lazy")
     eager = spotline_train(config, *flags, "--redundancy", "eager", name="eager")
     for run in (lazy, eager):
-        # A digest per step of every replica and of its owner: 20 checks, no mismatch.
+        # A digest per step of every replica and of its owner: one check a step, no mismatch.
         assert run["replica_checks"] == steps
         assert run["replica_mismatches"] == []
         assert run["param_sha256"] == off["param_sha256"]

@@ -45,16 +45,15 @@ def test_pipeline_equals_transformers_reference(spotline_train, model, workers, 
 
 
 def test_deterministic_runs_agree_and_dropout_is_placement_independent(spotline_train) -> None:
-    """Dropout on (gpt2-tiny's default 0.1): the same hash twice, and on 2 or 4 stages."""
+    """Dropout on (gpt2-tiny's default 0.1): the same hash and losses on 2 or 4 stages (two
+    runs that agree across placements agree with themselves: no separate repeat)."""
     config = small_config()
     first = spotline_train(config, "--workers", "2", "--stages", "2", name="a")
-    second = spotline_train(config, "--workers", "2", "--stages", "2", name="b")
     four_stages = spotline_train(config, "--workers", "4", "--stages", "4", name="c")
-    assert first["param_sha256"] == second["param_sha256"]
-    assert first["losses"] == second["losses"]
     # Dropout masks are drawn per (step, logical worker, micro-batch, layer): the stage
     # count does not change them.
     assert four_stages["param_sha256"] == first["param_sha256"]
+    assert four_stages["losses"] == first["losses"]
     other_seed = spotline_train(config, "--workers", "2", "--stages", "2", "--seed", "8", name="d")
     assert other_seed["param_sha256"] != first["param_sha256"]
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_spotline
+from conftest import run_spotline, small_config, write_config
 
 from spotline.plan.traces import load_trace
 from spotline.sim.calibration import load_calibration
@@ -67,12 +67,17 @@ def test_wall_clock_trace_is_the_replay_the_coordinator_plays() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(1000)
 def test_calibrate_measures_this_machine(tmp_path: Path) -> None:
-    # Seven short runs since calibrate measures three pipeline counts (about 6 min on two
-    # shared cores at 12 steps, the fewest calibrate accepts).
+    # Seven short runs since calibrate measures three pipeline counts, at 12 steps (the fewest
+    # calibrate accepts) of micro-batches of 2 short sequences: what is tested is what each
+    # run measures and how the table is built, not this machine's figures.
     out = tmp_path / "calibration.json"
+    config = small_config(model={"seq_len": 16})
+    config["train_micro_batch_size_per_gpu"] = 2
     proc = run_spotline(
         [
             "calibrate",
+            "--config",
+            str(write_config(tmp_path / "base.json", config)),
             "--stages",
             "2",
             "--workers",

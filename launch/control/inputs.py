@@ -1,12 +1,12 @@
 """The user's model and corpus, checked in a child process before any worker starts.
 
-Resolving them (:func:`spotline.trainer.prepare_inputs`: the model's config, the tokenizer,
-a corpus large enough for a step) imports transformers and, through spotline.trainer,
-DeepSpeed: seconds of imports that the coordinator, the process that never trains, must not
+Resolving them (:func:`spotline.inputs.prepare_inputs`: the model's config, the tokenizer,
+a corpus large enough for a step) imports transformers' config and tokenizer code and
+datasets: seconds of imports that the coordinator, the process that never trains, must not
 hold. So ``spotline train`` runs the check in a short-lived child (``python -m
 spotline.launch.control.inputs``, the resolved config as JSON on stdin) that exits with
 :data:`USER_ERROR_EXIT` and the user error's one line on stdout, or 0 and what the data
-turned into (``spotline.trainer.Inputs.summary``: the corpus's ``summary()`` and the eval
+turned into (``spotline.inputs.Inputs.summary``: the corpus's ``summary()`` and the eval
 set's, for ``summary.json``'s ``data``) as the last line
 of its stdout; what the data's loading has to tell the user once (records truncated to
 ``--seq-len``) it prints on stderr, which reaches the user's terminal. The child does what a
@@ -37,7 +37,7 @@ class CheckedInputs:
 
     # The child's wall time: a lower bound of a worker's start-up.
     startup_s: float
-    # What the data became (spotline.trainer.Inputs.summary): summary.json's "data".
+    # What the data became (spotline.inputs.Inputs.summary): summary.json's "data".
     data: dict[str, Any]
 
 
@@ -79,7 +79,7 @@ def check_inputs(cfg: RunConfig) -> CheckedInputs:
 def main() -> int:
     """The child: read the config from stdin, resolve the model and corpus."""
     # Here, not at the top: the coordinator's process imports this module for check_inputs.
-    from spotline.trainer import prepare_inputs
+    from spotline.inputs import prepare_inputs
 
     cfg = parse_config(json.loads(sys.stdin.read()), source=sys.argv[1])
     try:

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from spotline.group_setup import connected_new_groups, group_timeout, init_generation_group
 
-CONNECT = timedelta(seconds=2)
-# Far beyond the test's bound: a member waiting on an unconnected pair would hang it.
+# Far beyond the test's bound: a member waiting on an unconnected pair would hang it. A
+# group's set-up is bounded at 10 s (spotline.group_setup.SETUP_BOUND) whatever it is.
 COLLECTIVE = timedelta(seconds=900)
 
 
@@ -57,8 +57,8 @@ def main() -> None:
     store = FreezeAfterFirstSet(inner, freeze=rank == frozen)
     t0 = time.monotonic()
     try:
-        init_generation_group(store, rank, world, connect=CONNECT, collective=COLLECTIVE)
-        with connected_new_groups(CONNECT, COLLECTIVE):
+        init_generation_group(store, rank, world, collective=COLLECTIVE)
+        with connected_new_groups(COLLECTIVE):
             pair = dist.new_group(ranks=[0, 1])
         outside = dist.new_group(ranks=list(range(world)))
         total = torch.ones(1)

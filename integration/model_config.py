@@ -1,0 +1,190 @@
+"""Model configs: the presets and ``save_pretrained`` directories, resolved without DeepSpeed.
+
+What ``spotline train`` checks before any process starts (``spotline.inputs``) needs only a
+model's config; ``spotline.models``, which builds the pipeline stages, imports DeepSpeed
+(seconds of imports the check does not need).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import transformers
+
+from spotline.errors import UserError
+
+# Byte-level vocabulary: 256 byte values plus a few specials (256 = bos/eos).
+_BYTE_VOCAB_SIZE = 260
+_BOS_EOS_ID = 256
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2-tiny": {
+        "model_type": "gpt2",
+        "n_layer": 4,
+        "n_embd": 64,
+        "n_head": 4,
+        "n_positions": 128,
+        "vocab_size": _BYTE_VOCAB_SIZE,
+        "bos_token_id": _BOS_EOS_ID,
+        "eos_token_id": _BOS_EOS_ID,
+        "tie_word_embeddings": True,
+        "resid_pdrop": 0.1,
+        "embd_pdrop": 0.1,
+        "attn_pdrop": 0.1,
+    },
+    "gpt2-small-test": {
+        "model_type": "gpt2",
+        "n_layer": 8,
+        "n_embd": 128,
+        "n_head": 4,
+        "n_positions": 256,
+        "vocab_size": _BYTE_VOCAB_SIZE,
+        "bos_token_id": _BOS_EOS_ID,
+        "eos_token_id": _BOS_EOS_ID,
+        "tie_word_embeddings": True,
+        "resid_pdrop": 0.1,
+        "embd_pdrop": 0.1,
+        "attn_pdrop": 0.1,
+    },
+    "llama-tiny": {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "vocab_size": _BYTE_VOCAB_SIZE,
+        "max_position_embeddings": 128,
+        "bos_token_id": _BOS_EOS_ID,
+        "eos_token_id": _BOS_EOS_ID,
+        "tie_word_embeddings": True,
+    },
+    "neox-tiny": {
+        "model_type": "gpt_neox",
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "intermediate_size": 256,
+        "vocab_size": _BYTE_VOCAB_SIZE,
+        "max_position_embeddings": 128,
+        "bos_token_id": _BOS_EOS_ID,
+        "eos_token_id": _BOS_EOS_ID,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+@dataclass(frozen=True)
+class _Arch:
+    """Where an architecture keeps its parts, as HF submodule paths (None: has no such part)."""
+
+    tok_embed: str
+    pos_embed: str | None
+    embed_dropout: str | None
+    blocks: str
+    rotary: str | None
+    final_norm: str
+    lm_head: str
+
+
+_ARCHS: dict[str, _Arch] = {
+    "gpt2": _Arch(
+        tok_embed="transformer.wte",
+        pos_embed="transformer.wpe",
+        embed_dropout="transformer.drop",
+        blocks="transformer.h",
+        rotary=None,
+        final_norm="transformer.ln_f",
+        lm_head="lm_head",
+    ),
+    "llama": _Arch(
+        tok_embed="model.embed_tokens",
+        pos_embed=None,
+        embed_dropout=None,
+        blocks="model.layers",
+        rotary="model.rotary_emb",
+        final_norm="model.norm",
+        lm_head="lm_head",
+    ),
+    "gpt_neox": _Arch(
+        tok_embed="gpt_neox.embed_in",
+        pos_embed=None,
+        embed_dropout="gpt_neox.emb_dropout",
+        blocks="gpt_neox.layers",
+        rotary="gpt_neox.rotary_emb",
+        final_norm="gpt_neox.final_layer_norm",
+        lm_head="lm_head",
+    ),
+}
+
+
+def arch_of(hf_config: transformers.PretrainedConfig) -> _Arch:
+    model_type = hf_config.model_type
+    if model_type not in _ARCHS:
+        raise UserError(
+            f"model type {model_type!r} is not supported; use a {', '.join(sorted(_ARCHS))} model"
+        )
+    return _ARCHS[model_type]
+
+
+def is_tied(hf_config: transformers.PretrainedConfig) -> bool:
+    return bool(getattr(hf_config, "tie_word_embeddings", False))
+
+
+# ---------------------------------------------------------------------------------------
+# Configs
+
+
+def load_hf_config(
+    spec: str, overrides: Mapping[str, Any] | None = None
+) -> transformers.PretrainedConfig:
+    """Return the HF config for a preset name or a directory written by ``save_pretrained``.
+
+    Always selects the SDPA attention implementation: a transformers 5.x block built
+    directly from a config otherwise runs without a causal mask. ``overrides`` sets existing
+    config attributes (e.g. dropout probabilities to 0.0); an unknown one is a UserError.
+    """
+    presets = ", ".join(PRESETS)
+    if spec in PRESETS:
+        fields = dict(PRESETS[spec])
+        model_type = fields.pop("model_type")
+        config = transformers.AutoConfig.for_model(model_type, **fields)
+    elif os.path.isdir(spec):
+        if not os.path.isfile(os.path.join(spec, "config.json")):
+            raise UserError(
+                f"model directory {spec!r} has no config.json; "
+                "pass a directory written by save_pretrained or one of the presets " + presets
+            )
+        try:
+            config = transformers.AutoConfig.from_pretrained(spec, local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            first_line = (
+                str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            )
+            raise UserError(
+                f"model directory {spec!r}: config.json could not be read ({first_line}); "
+                "rewrite it with save_pretrained"
+            ) from exc
+    else:
+        raise UserError(
+            f"model {spec!r}: no such preset or directory; use one of {presets} "
+            "or a directory written by save_pretrained"
+        )
+    arch_of(config)  # an unsupported architecture fails here, before anything is built
+    for name, value in (overrides or {}).items():
+        if name.startswith("_") or not hasattr(config, name):
+            raise UserError(
+                f"model override {name!r}: {type(config).__name__} has no such attribute; "
+                "check the spelling against the model's config.json"
+            )
+        setattr(config, name, value)
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def num_blocks(hf_config: transformers.PretrainedConfig) -> int:
+    """Number of transformer blocks (pipeline layers that carry the compute)."""
+    return int(hf_config.num_hidden_layers)

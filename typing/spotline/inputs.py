@@ -1,0 +1,1 @@
+../../integration/inputs.py

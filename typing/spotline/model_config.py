@@ -1,0 +1,1 @@
+../../integration/model_config.py
