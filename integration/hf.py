@@ -196,8 +196,7 @@ def _refuse_unsupported(args: Any) -> None:
         raise UserError("label_smoothing_factor: Spotline's loss has no label smoothing; use 0")
     if int(_arg(args, "max_steps")) <= 0:
         raise UserError(
-            "max_steps is not set: Spotline trains a number of steps, not epochs; "
-            "pass --max_steps"
+            "max_steps is not set: Spotline trains a number of steps, not epochs; pass --max_steps"
         )
     for name, allowed in (("eval_strategy", ("no", "steps")), ("save_strategy", ("no", "steps"))):
         if _arg(args, name) not in allowed:
@@ -213,7 +212,10 @@ def job_keys(args: Any) -> dict[str, Any]:
         "gradient_accumulation_steps": int(_arg(args, "gradient_accumulation_steps")),
         "optimizer.type": "AdamW",
         "optimizer.params.lr": float(_arg(args, "learning_rate")),
-        "optimizer.params.betas": [float(_arg(args, "adam_beta1")), float(_arg(args, "adam_beta2"))],
+        "optimizer.params.betas": [
+            float(_arg(args, "adam_beta1")),
+            float(_arg(args, "adam_beta2")),
+        ],
         "optimizer.params.eps": float(_arg(args, "adam_epsilon")),
         "optimizer.params.weight_decay": float(_arg(args, "weight_decay")),
         "gradient_clipping": float(_arg(args, "max_grad_norm")),

@@ -71,7 +71,9 @@ def _run(args: argparse.Namespace, script: str, script_args: list[str]) -> int:
         config_path = args.config or job.spotline_config
         flags = overrides_from_args(args)
         # Checked at the staged job's paths; the run's config names the job in the output.
-        staged = build_config(job, staging / JOB_DIR, config_path=config_path, flags=flags, plain=False)
+        staged = build_config(
+            job, staging / JOB_DIR, config_path=config_path, flags=flags, plain=False
+        )
         check_new_output(staged, output)
         checked = check_inputs(staged)
         validate_recovery(staged, startup_s=checked.startup_s)

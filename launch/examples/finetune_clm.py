@@ -91,7 +91,10 @@ def group_texts(batch: dict[str, list[list[int]]], block_size: int) -> dict[str,
 
 
 def main() -> None:
-    parser = transformers.HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
+    # transformers annotates its dataclass types with a NewType no class matches.
+    parser = transformers.HfArgumentParser(
+        (ModelArguments, DataArguments, TrainingArguments)  # type: ignore[arg-type]
+    )
     model_args, data_args, training_args = parser.parse_args_into_dataclasses()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
