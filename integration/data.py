@@ -549,9 +549,17 @@ def load_corpus(
     or messages) become an :class:`spotline.instructions.InstructionCorpus` laid out as
     ``instruction_layout`` says.
     """
+    if data is not None and str(data).endswith(ROWS_SUFFIX):
+        # Rows a Hugging Face script already tokenized (spotline.hf): read as they are.
+        corpus: PackedCorpus = load_rows(data, seq_len)
+        if len(corpus) < min_sequences:
+            raise UserError(
+                f"the training dataset has {len(corpus)} rows, fewer than the {min_sequences} "
+                "one training step needs; use more data or a smaller batch"
+            )
+        return corpus
     records = load_records(data)
     name = _data_name(data)
-    corpus: PackedCorpus
     if records.format == "text":
         dataset = _text_dataset(records, name)
         tokenizer = load_tokenizer(tokenizer_spec)
@@ -571,3 +579,72 @@ def load_corpus(
             "--seq-len/batch"
         )
     return corpus
+
+
+# A file of token rows a Hugging Face script tokenized itself (written by spotline.hf).
+ROWS_SUFFIX = ".rows.npz"
+IGNORE_LABEL = -100
+
+
+class RowsCorpus(PackedCorpus):
+    """Rows given as Hugging Face gives them (``input_ids`` and ``labels`` of one length,
+    labels not shifted, -100 where nothing is learned), read through the same
+    ``batch(indices)``: the inputs as they are and the labels shifted by one (the last
+    position learns nothing), so that the mean over counted tokens is the loss a
+    transformers causal LM computes from the same row."""
+
+    def __init__(self, input_ids: np.ndarray, labels: np.ndarray) -> None:
+        if input_ids.ndim != 2 or input_ids.shape != labels.shape or input_ids.shape[1] < 2:
+            raise ValueError(
+                f"rows must be input_ids and labels of one shape [rows, length >= 2], got "
+                f"{input_ids.shape} and {labels.shape}"
+            )
+        # PackedCorpus's rows hold one token more than a sequence; that last one is never
+        # read here (the labels below are this corpus's own).
+        super().__init__(np.concatenate([input_ids, input_ids[:, -1:]], axis=1))
+        shifted = np.full(labels.shape, IGNORE_LABEL, dtype=np.int64)
+        shifted[:, :-1] = labels[:, 1:]
+        self.labels: np.ndarray = np.ascontiguousarray(shifted)
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "format": "rows",
+            "rows": len(self),
+            "counted_tokens": int((self.labels != IGNORE_LABEL).sum()),
+        }
+
+    def select(self, rows: Sequence[int]) -> RowsCorpus:
+        picked = self._rows(rows)
+        unshifted = np.full(self.labels.shape, IGNORE_LABEL, dtype=np.int64)[picked]
+        unshifted[:, 1:] = self.labels[picked, :-1]
+        return RowsCorpus(self.tokens[picked, :-1], unshifted)
+
+    def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        rows = self._rows(indices)
+        return (
+            torch.from_numpy(self.tokens[rows, :-1]).contiguous(),
+            torch.from_numpy(self.labels[rows]).contiguous(),
+        )
+
+
+def save_rows(path: pathlib.Path, input_ids: np.ndarray, labels: np.ndarray) -> None:
+    """Write rows for :func:`load_rows` (``path`` ends with :data:`ROWS_SUFFIX`)."""
+    assert str(path).endswith(ROWS_SUFFIX)
+    with open(path, "wb") as handle:
+        np.savez(handle, input_ids=input_ids.astype(np.int64), labels=labels.astype(np.int64))
+
+
+def load_rows(path: str | os.PathLike[str], seq_len: int) -> RowsCorpus:
+    """Rows written by :func:`save_rows`; each must be ``seq_len`` tokens long."""
+    if not pathlib.Path(path).is_file():
+        raise UserError(f"rows file {str(path)!r} does not exist")
+    with np.load(path) as saved:
+        input_ids, labels = saved["input_ids"], saved["labels"]
+    if input_ids.shape[1] != seq_len:
+        raise UserError(
+            f"rows file {str(path)!r} holds rows of {input_ids.shape[1]} tokens, not --seq-len "
+            f"{seq_len}"
+        )
+    return RowsCorpus(input_ids, labels)

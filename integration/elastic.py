@@ -657,10 +657,15 @@ class ElasticWorker:
         topology = PipeDataParallelTopology(
             num_pp=layout.num_physical_stages, num_dp=layout.num_pipelines
         )
+        from spotline.trainer import pretrained_dir_of
+
         module = models.build_pipeline_module(
             self.hf_config,
             layout.num_physical_stages,
             seed=sl.training.seed,
+            # A save_pretrained directory's weights are step 0's (a later generation loads
+            # its stages over them from memory, a peer or a checkpoint).
+            pretrained_dir=pretrained_dir_of(sl.model.name),
             activation_checkpoint_interval=sl.model.activation_checkpoint_interval,
             topology=topology,
             parts=models.physical_parts(self.logical, layout.groups),

@@ -20,6 +20,21 @@ SUMMARY_NAME = "summary.json"
 BEST_MODEL = "best"
 
 
+# The run's wandb id and the steps already logged to it, in the output directory: the one
+# wandb run a stopped run's ``--resume`` continues (resumed, never a second run).
+WANDB_RUN_NAME = "wandb-run.json"
+
+
+def wandb_run_of(output_dir: Path) -> tuple[str, int]:
+    """The output directory's wandb run id (a new one for a new directory) and the number
+    of steps already logged to it (steps below it are not logged again)."""
+    path = output_dir / WANDB_RUN_NAME
+    if path.is_file():
+        saved = json.loads(path.read_text())
+        return str(saved["id"]), int(saved["logged_steps"])
+    return uuid.uuid4().hex[:16], 0
+
+
 def eval_fields(evaluations: Mapping[int, EvalResult]) -> dict[str, Any]:
     """``summary.json``'s evaluations: ``eval``, every one in step order (``step``, ``loss``,
     ``perplexity``, ``tokens``, ``best``: it beat every earlier one), and ``best_eval``, the
@@ -83,7 +98,13 @@ class Tracker:
             import wandb
 
             mode = os.environ.get("WANDB_MODE", settings.wandb)
+            self._run_id, self._logged = wandb_run_of(output_dir)
+            self._next = self._logged
+            self._output_dir = output_dir
+            self._save_run()
             self._run = wandb.init(
+                id=self._run_id,
+                resume="allow",
                 project=settings.project,
                 name=settings.run_name,
                 dir=str(output_dir),
@@ -100,11 +121,17 @@ class Tracker:
         self._plain_progress = settings.progress and self._bar is None
         self._total = total_steps
 
+    def _save_run(self) -> None:
+        record = {"id": self._run_id, "logged_steps": self._next}
+        write_json_atomic(self._output_dir / WANDB_RUN_NAME, record)
+
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        if self._run is not None:
+        # A resumed run does not log again the steps its earlier part logged.
+        if self._run is not None and step >= self._logged:
             self._run.log(metrics, step=step)
+            self._next = max(self._next, step + 1)
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{metrics['loss']:.4f}")
             self._bar.update(1)
@@ -121,7 +148,7 @@ class Tracker:
         step whose loss the same parameters give), and a progress line."""
         if not self.enabled:
             return
-        if self._run is not None:
+        if self._run is not None and result.step >= self._logged:
             self._run.log(
                 {"eval/loss": result.loss, "eval/perplexity": result.perplexity}, step=result.step
             )
@@ -147,6 +174,7 @@ class Tracker:
                     if isinstance(value, (int, float, str)):
                         self._run.summary[key] = value
             self._run.finish()
+            self._save_run()
 
 
 def eval_line(result: EvalResult, total_steps: int) -> str:

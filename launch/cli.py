@@ -124,13 +124,33 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from spotline.tracking import SUMMARY_NAME, write_json_atomic
-
     try:
         listen = _parse_listen(args.listen) if getattr(args, "listen", None) else None
         cfg, output, resume_from, data = _prepare_run(args)
     except UserError as exc:
         return fail(str(exc))
+    return start_run(
+        cfg,
+        output,
+        resume_from,
+        data,
+        listen=listen,
+        token_file=getattr(args, "token_file", None),
+    )
+
+
+def start_run(
+    cfg: Any,
+    output: Path,
+    resume_from: int | None,
+    data: dict[str, Any],
+    *,
+    listen: tuple[str, int] | None = None,
+    token_file: str | None = None,
+) -> int:
+    """Run a checked job (``_prepare_run``'s results) under a coordinator to its end."""
+    from spotline.tracking import SUMMARY_NAME, write_json_atomic
+
     # A summary left by an earlier run in this directory must not pass for this run's.
     (output / SUMMARY_NAME).unlink(missing_ok=True)
     resolved = output / RESOLVED_NAME
@@ -151,7 +171,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
             env=env,
             resume_from=resume_from,
             listen=listen,
-            token_file=getattr(args, "token_file", None),
+            token_file=token_file,
         )
     except UserError as exc:  # e.g. an unreachable etcd
         return fail(str(exc))
@@ -198,6 +218,12 @@ def _new_run_config(args: argparse.Namespace) -> tuple[Any, Path]:
     earlier run's checkpoints."""
     cfg = resolve_config(args)
     output = Path(args.output or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    check_new_output(cfg, output)
+    return cfg, output
+
+
+def check_new_output(cfg: Any, output: Path) -> None:
+    """A new run's ``--output``: usable, and without an earlier run's checkpoints."""
     check_output(output)
     shared = cfg.spotline.checkpoints.dir
     root = cfg.checkpoint_root(output)
@@ -214,7 +240,6 @@ def _new_run_config(args: argparse.Namespace) -> tuple[Any, Path]:
             f"--output {output} holds the checkpoints of an earlier run; continue it "
             f"with `spotline train --resume {output}`, or pass another --output"
         )
-    return cfg, output
 
 
 def _resume_step(cfg: Any, output: Path) -> int | None:
@@ -425,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="spotline", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     build_train_parser(sub.add_parser("train", help="train on local worker processes"))
+    sub.add_parser(
+        "run", help="run a Hugging Face script's spotline.hf.Trainer under recovery", add_help=False
+    )
     sub.add_parser("simulate", help="cluster-scale simulator on spot traces", add_help=False)
     sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)", add_help=False)
     sub.add_parser(
@@ -449,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="the job token (default: a new one, written to OUTPUT/job-token, mode 0600)",
     )
+    if argv and argv[0] == "run":
+        from spotline.launch.hf_run import main as run_main
+
+        return run_main(argv[1:])
     if argv and argv[0] == "agent":
         from spotline.launch.agent import main as agent_main
 
