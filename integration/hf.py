@@ -13,10 +13,16 @@ depends on how the script was started:
   stage: the pipeline engine every entry point runs), into ``output_dir``.
 - ``spotline run SCRIPT.py``: the command runs the script once in a child with
   :data:`MODE_ENV` set to :data:`DESCRIBE`; the constructor writes the job where
-  :data:`JOB_ENV` says and ends the script there (:class:`JobDescribed`). The command then
-  runs the job as ``spotline train`` runs a config: coordinator, workers, recoveries. The
-  workers train the job's files, so what the script does after the constructor (``train()``,
-  ``save_model()``) does not run under ``spotline run``: the model lands in ``OUTPUT/model``.
+  :data:`JOB_ENV` says, with the script's path, arguments and working directory, and ends
+  the script there (:class:`JobDescribed`). The command then runs the job as ``spotline
+  train`` runs a config: coordinator, workers, recoveries. Every worker runs the script
+  again (:func:`run_script_in_worker`, :data:`MODE_ENV` :data:`WORKER`): its constructor
+  checks that the script built, in this process, exactly the job described (the same keys,
+  rows and weights: a script whose data or model differ from one run to the next is refused
+  in one line), and its :meth:`Trainer.train` is the elastic worker's run, through every
+  generation until the job ends; what the script does after it runs in every worker. The
+  workers train the job's files (what they checked against), and the run writes the model
+  once, to ``OUTPUT/model``.
 
 The math is the job's logical topology (``spotline.elasticity.logical_workers``, the batch,
 the seed), never the number of processes: the plain run and ``spotline run`` of one job with
@@ -31,7 +37,7 @@ import math
 import os
 import shutil
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,9 +48,11 @@ from spotline.config import RunConfig, parse_config, with_overrides
 from spotline.data import IGNORE_LABEL, ROWS_SUFFIX
 from spotline.errors import UserError
 
-# How the script was started: unset (plain python) or DESCRIBE (spotline run's child).
+# How the script was started: unset (plain python), DESCRIBE (spotline run's child) or
+# WORKER (a worker of spotline run).
 MODE_ENV = "SPOTLINE_HF_MODE"
 DESCRIBE = "describe"
+WORKER = "worker"
 # Where the describing child writes the job (a directory).
 JOB_ENV = "SPOTLINE_HF_JOB"
 # The job's directory in the output directory, and its files.
@@ -132,13 +140,38 @@ class Job:
     has_tokenizer: bool
     output_dir: str
     spotline_config: str | None
+    # The script that described it (spotline run's workers run it again): None for a plain
+    # run's job.
+    script: ScriptCall | None = None
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
     @staticmethod
     def read(job_dir: Path) -> Job:
-        return Job(**json.loads((job_dir / JOB_FILE).read_text()))
+        raw = json.loads((job_dir / JOB_FILE).read_text())
+        call = raw.pop("script", None)
+        return Job(**raw, script=None if call is None else ScriptCall.from_json(call))
+
+
+@dataclass(frozen=True)
+class ScriptCall:
+    """How a script was run: its absolute path, its arguments and the working directory
+    (its relative paths, the data's included, mean what they meant there)."""
+
+    path: str
+    args: tuple[str, ...]
+    cwd: str
+
+    @staticmethod
+    def of_this_process() -> ScriptCall:
+        import sys
+
+        return ScriptCall(os.path.abspath(sys.argv[0]), tuple(sys.argv[1:]), os.getcwd())
+
+    @staticmethod
+    def from_json(raw: Mapping[str, Any]) -> ScriptCall:
+        return ScriptCall(str(raw["path"]), tuple(raw["args"]), str(raw["cwd"]))
 
 
 def _arg(args: Any, name: str) -> Any:
@@ -297,20 +330,13 @@ def write_job(
     data_collator: Any,
     processing_class: Any,
     spotline_config: str | None,
+    script: ScriptCall | None = None,
 ) -> Job:
     """Write the job of a Trainer's arguments into ``job_dir`` (new or emptied)."""
     from spotline.data import save_rows
 
-    keys = job_keys(args)
-    train = dataset_rows(train_dataset, data_collator, "train_dataset")
-    evaluation = (
-        None if eval_dataset is None else dataset_rows(eval_dataset, data_collator, "eval_dataset")
-    )
+    keys, train, evaluation = _job_parts(args, train_dataset, eval_dataset, data_collator)
     seq_len = int(train[0].shape[1])
-    if evaluation is not None and evaluation[0].shape[1] != seq_len:
-        raise UserError(
-            f"eval_dataset's rows are {evaluation[0].shape[1]} tokens, train_dataset's {seq_len}"
-        )
     if job_dir.exists():
         shutil.rmtree(job_dir)
     job_dir.mkdir(parents=True)
@@ -327,9 +353,68 @@ def write_job(
         has_tokenizer=processing_class is not None,
         output_dir=str(_arg(args, "output_dir")),
         spotline_config=spotline_config,
+        script=script,
     )
     (job_dir / JOB_FILE).write_text(json.dumps(job.to_json(), indent=2))
     return job
+
+
+Rows = tuple[np.ndarray, np.ndarray]
+
+
+def _job_parts(
+    args: Any, train_dataset: Any, eval_dataset: Any, data_collator: Any
+) -> tuple[dict[str, Any], Rows, Rows | None]:
+    """The config keys and the token rows (train, eval) a Trainer's arguments make."""
+    keys = job_keys(args)
+    train = dataset_rows(train_dataset, data_collator, "train_dataset")
+    evaluation = (
+        None if eval_dataset is None else dataset_rows(eval_dataset, data_collator, "eval_dataset")
+    )
+    seq_len = int(train[0].shape[1])
+    if evaluation is not None and evaluation[0].shape[1] != seq_len:
+        raise UserError(
+            f"eval_dataset's rows are {evaluation[0].shape[1]} tokens, train_dataset's {seq_len}"
+        )
+    return keys, train, evaluation
+
+
+def check_job(
+    job_dir: Path,
+    *,
+    model: Any,
+    args: Any,
+    train_dataset: Any,
+    eval_dataset: Any,
+    data_collator: Any,
+) -> None:
+    """UserError unless a Trainer's arguments make exactly the job in ``job_dir``: the same
+    config keys, token rows and model weights (a worker of ``spotline run`` trains the job's
+    files; this is what makes them the script's)."""
+    import torch
+    from safetensors.torch import load_file
+
+    job = Job.read(job_dir)
+    keys, train, evaluation = _job_parts(args, train_dataset, eval_dataset, data_collator)
+    differs = "the script made a different {} in this worker than when spotline run described it"
+    hint = "; make the script deterministic (seed every random choice of data and model)"
+    if keys != job.keys:
+        raise UserError(differs.format("TrainingArguments") + hint)
+    saved_rows = [(TRAIN_ROWS, train)] + ([] if evaluation is None else [(EVAL_ROWS, evaluation)])
+    if (evaluation is not None) != job.has_eval:
+        raise UserError(differs.format("eval_dataset") + hint)
+    for name, (ids, labels) in saved_rows:
+        with np.load(job_dir / name) as saved:  # as spotline.data.save_rows wrote them
+            same = np.array_equal(saved["input_ids"], ids) and np.array_equal(
+                saved["labels"], labels
+            )
+        if not same:
+            raise UserError(differs.format(name.split(".")[0] + " dataset") + hint)
+    state = model.state_dict()
+    for weights in sorted((job_dir / MODEL_DIR).glob("*.safetensors")):
+        for name, tensor in load_file(str(weights)).items():
+            if name not in state or not torch.equal(state[name], tensor):
+                raise UserError(differs.format(f"model (weight {name})") + hint)
 
 
 def _leaves(raw: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -430,9 +515,16 @@ class Trainer:
             processing_class=processing_class,
             spotline_config=spotline_config,
         )
-        if os.environ.get(MODE_ENV) == DESCRIBE:
-            write_job(Path(os.environ[JOB_ENV]), **parts)
+        mode = os.environ.get(MODE_ENV)
+        self.summary: dict[str, Any] | None = None
+        if mode == DESCRIBE:
+            write_job(Path(os.environ[JOB_ENV]), **parts, script=ScriptCall.of_this_process())
             raise JobDescribed
+        if mode == WORKER:
+            del parts["processing_class"], parts["spotline_config"]  # saved, not part of the math
+            check_job(Path(os.environ[JOB_ENV]), **parts)
+            self.output = Path(os.environ[JOB_ENV]).parent
+            return
         self.output = Path(str(_arg(args, "output_dir")))
         job_dir = self.output / JOB_DIR
         job = write_job(job_dir, **parts)
@@ -441,10 +533,16 @@ class Trainer:
         from spotline.trainer import prepare_inputs
 
         prepare_inputs(self.cfg)
-        self.summary: dict[str, Any] | None = None
 
     def train(self) -> dict[str, Any]:
-        """Train in this process (one worker, one stage); returns summary.json's contents."""
+        """Train in this process (one worker, one stage); returns summary.json's contents.
+
+        In a worker of ``spotline run``: this worker's part of the job, through every
+        generation until the job ends; returns ``{}`` (the run's summary.json is the
+        coordinator's, written once every worker is done). A worker that must stop (its
+        machine lost, an error) ends the script here with its exit code."""
+        if os.environ.get(MODE_ENV) == WORKER:
+            return _worker_train()
         from spotline.trainer import run_worker
 
         env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
@@ -457,7 +555,12 @@ class Trainer:
         return summary
 
     def save_model(self, output_dir: str | None = None) -> None:
-        """Copy the trained model (``output_dir/model``, with its tokenizer) to ``output_dir``."""
+        """Copy the trained model (``output_dir/model``, with its tokenizer) to ``output_dir``.
+
+        In a worker of ``spotline run`` nothing: the run writes the model once, to
+        ``OUTPUT/model``."""
+        if os.environ.get(MODE_ENV) == WORKER:
+            return
         assert self.summary is not None, "save_model() comes after train()"
         if output_dir is None or Path(output_dir).resolve() == (self.output / "model").resolve():
             return
@@ -472,3 +575,53 @@ def describe_script(script: str, script_args: Sequence[str]) -> None:
     sys.argv = [script, *script_args]
     sys.path.insert(0, str(Path(script).resolve().parent))
     runpy.run_path(script, run_name="__main__")
+
+
+@dataclass
+class _WorkerRun:
+    """The script's run in a worker: the elastic worker's run its Trainer.train() is, and
+    what came of it."""
+
+    train: Callable[[], int]
+    code: int | None = None
+
+
+_worker_run: _WorkerRun | None = None
+
+
+def run_script_in_worker(job_dir: Path, train: Callable[[], int]) -> int:
+    """Run the script that described ``job_dir``'s job in this worker (``spotline run``):
+    its Trainer checks the job and its ``train()`` calls ``train`` (the elastic worker's
+    run). The worker's exit code; UserError if the script ends without calling train()."""
+    global _worker_run
+    job = Job.read(job_dir)
+    assert job.script is not None, "a spotline run job names its script"
+    _worker_run = _WorkerRun(train)
+    os.environ[MODE_ENV] = WORKER
+    os.environ[JOB_ENV] = str(job_dir)
+    os.chdir(job.script.cwd)
+    try:
+        describe_script(job.script.path, job.script.args)
+    except SystemExit as exc:
+        if _worker_run.code is None or _worker_run.code == 0:
+            # The script's own exit (sys.exit, argparse): its code, as python would give.
+            return 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
+        return _worker_run.code
+    if _worker_run.code is None:
+        raise UserError(
+            f"{job.script.path} ended in a worker without calling Trainer.train(); call it "
+            "once the Trainer is built"
+        )
+    return _worker_run.code
+
+
+def _worker_train() -> dict[str, Any]:
+    run = _worker_run
+    assert run is not None, "a worker's Trainer runs inside run_script_in_worker"
+    assert run.code is None, "train() runs once in a worker"
+    run.code = run.train()
+    if run.code != 0:
+        # The worker must stop (the job failed, its machine was lost): not the script's
+        # code after train(), which expects a trained model.
+        raise SystemExit(run.code)
+    return {}

@@ -282,6 +282,8 @@ def _supervise(coordinator: Coordinator, output: Path, data: dict[str, Any]) -> 
         summary = coordinator.run()
     except Stopped as stop:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the workers have exited already
+        # Before the store goes: what was committed goes to wandb, where --resume continues.
+        coordinator.log_stopped_to_wandb(stop.step or 0)
         coordinator.shutdown()
         print(f"spotline: {_stopped_message(stop, resume_hint)}", file=sys.stderr)
         return 130

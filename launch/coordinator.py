@@ -779,6 +779,10 @@ class Coordinator:
         """Per-step losses and the recovery events, to wandb (offline unless configured)."""
         self.metrics.log_to_wandb(summary, self.output)
 
+    def log_stopped_to_wandb(self, step: int) -> None:
+        """What a stopped run committed before ``step`` (its checkpoint), to wandb."""
+        self.metrics.log_stopped_to_wandb(step, self.output)
+
 
 JOB_FILE = "job.json"  # the running job's store, for a restarted coordinator
 

@@ -2,7 +2,8 @@
 ``launch/control/supervisor.py``, as ``python -m spotline.launch.elastic_worker``).
 
 Runs a :class:`spotline.elastic.ElasticWorker` against the coordinator's store until the
-plans say finish. Exit codes: 0 done (or left), 2 a user mistake, 1 an error (its cause told
+plans say finish; for ``spotline run``, inside the user's script (``spotline.hf``: its
+Trainer's ``train()`` is that run). Exit codes: 0 done (or left), 2 a user mistake, 1 an error (its cause told
 to the coordinator as ``error/<worker>``), 3 the coordinator is gone. The processes of
 ``deepspeed launch/train.py`` are another kind, started by DeepSpeed's launcher:
 ``launch/worker.py``.
@@ -18,6 +19,7 @@ from pathlib import Path
 from spotline.config import load_config
 from spotline.elastic import EXIT_COORDINATOR_LOST, ElasticWorker, one_line
 from spotline.errors import UserError
+from spotline.hf import JOB_DIR, JOB_FILE, Job, run_script_in_worker
 from spotline.protocol import error_key
 
 
@@ -41,9 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     worker: ElasticWorker | None = None
     try:
-        worker = ElasticWorker(
-            load_config(args.config), args.worker_id, args.store, Path(args.output)
-        )
+        # Absolute: a spotline run script runs in its own working directory.
+        output = Path(args.output).resolve()
+        worker = ElasticWorker(load_config(args.config), args.worker_id, args.store, output)
+        job = output / JOB_DIR
+        if (job / JOB_FILE).is_file() and Job.read(job).script is not None:
+            # spotline run: the user's script runs here too; its Trainer.train() is this run.
+            return run_script_in_worker(job, worker.run)
         return worker.run()
     except UserError as exc:
         print(f"spotline: error: {exc}", flush=True)

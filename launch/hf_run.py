@@ -9,7 +9,8 @@
 2. The job's config (``spotline.hf.build_config``: --config or the script's
    ``spotline_config``, the flags, then the script's keys) is checked like ``spotline
    train``'s (the input-check child), the job moves to ``OUTPUT/hf-job`` and the coordinator
-   runs it as it runs ``spotline train``: the workers train the job's files.
+   runs it as it runs ``spotline train``; every worker runs the script again, whose
+   Trainer checks the job and whose ``train()`` is the worker's run (``spotline.hf``).
 
 ``--resume DIR`` continues a stopped ``spotline run`` (its job is in DIR) as ``spotline
 train --resume DIR`` does; it takes no script.

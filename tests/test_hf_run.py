@@ -83,6 +83,8 @@ def test_spotline_run_survives_a_kill_with_the_plain_runs_bits(
         timeout=240,
     )
     assert plain.returncode == 0, plain.stderr[-3000:]
+    plain_hash = summary_of(tmp_path / "plain")["param_sha256"]
+    assert f"finetune_clm: trained, param_sha256 {plain_hash}" in plain.stdout
     out = tmp_path / "run"
     run = run_spotline(
         ["run", "--workers", "4", "--stages", "2", "--inject", "kill:3:1", "--output", str(out),
@@ -96,6 +98,10 @@ def test_spotline_run_survives_a_kill_with_the_plain_runs_bits(
     assert disturbed["eval"] == undisturbed["eval"]
     assert disturbed["eval"][-1]["loss"] < disturbed["eval"][0]["loss"]
     assert not (tmp_path / "unused").exists()  # --output decides where the run goes
+    # The script ran in every worker, on past train() in each one the job kept to its end.
+    logs = {log.stem: log.read_text() for log in (out / "logs").glob("w*.log")}
+    finished = sorted(w for w, text in logs.items() if "finetune_clm: trained" in text)
+    assert len(logs) == 4 and len(finished) == 3 and "w1" not in finished, sorted(logs)
     run_id = json.loads((out / "wandb-run.json").read_text())["id"]
     runs = list((out / "wandb").glob("offline-run-*"))
     assert runs and all(r.name.split("-")[3] == run_id for r in runs)
@@ -159,3 +165,37 @@ def test_bad_input_is_one_line_and_nothing_written(job: dict[str, Path], tmp_pat
     assert conflict.returncode == 2
     assert "spotline.training.steps" in one_error_line(conflict.stderr)
     assert not out.exists()
+
+
+def test_a_worker_whose_script_makes_another_job_is_refused(
+    job: dict[str, Path], tmp_path: Path
+) -> None:
+    """What a worker's script builds is checked against the job spotline run described: the
+    same keys, rows and weights pass; a row, a weight or an argument changed is one line."""
+    import dataclasses
+
+    import datasets
+    import torch
+    import transformers
+
+    from spotline.errors import UserError
+    from spotline.hf import TrainingArguments, check_job, write_job
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(job["model"])
+    rows = [list(range(3 + i, 11 + i)) for i in range(8)]
+    train = datasets.Dataset.from_dict({"input_ids": rows})
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "o"), max_steps=4, lr_scheduler_type="constant"
+    )
+    parts = dict(model=model, args=args, train_dataset=train, eval_dataset=None, data_collator=None)
+    write_job(tmp_path / "job", **parts, processing_class=None, spotline_config=None)
+    check_job(tmp_path / "job", **parts)  # the same job: no error
+    other_rows = datasets.Dataset.from_dict({"input_ids": [r[::-1] for r in rows]})
+    with pytest.raises(UserError, match="different train dataset"):
+        check_job(tmp_path / "job", **{**parts, "train_dataset": other_rows})
+    with pytest.raises(UserError, match="different TrainingArguments"):
+        check_job(tmp_path / "job", **{**parts, "args": dataclasses.replace(args, seed=1)})
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    with pytest.raises(UserError, match="different model"):
+        check_job(tmp_path / "job", **parts)

@@ -140,6 +140,11 @@ SLOW = small_config(
 SLOW["scheduler"] = SCHEDULER
 
 
+def _with_wandb(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` logging to wandb (offline): tracking is not part of the math."""
+    return {**config, "spotline": {**config["spotline"], "tracking": {"wandb": "offline"}}}
+
+
 def _spotline_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "spotline.launch.cli", *args]
 
@@ -213,7 +218,9 @@ def test_ctrl_c_stops_at_a_checkpoint_and_resume_ends_with_the_uninterrupted_has
     tmp_path: Path,
 ) -> None:
     fast = write_config(tmp_path / "fast.json", CONFIG)
-    slow = write_config(tmp_path / "slow.json", SLOW)
+    # The interrupted run and its resume log to one wandb run (offline).
+    slow = write_config(tmp_path / "slow.json", _with_wandb(SLOW))
+    fast_wandb = write_config(tmp_path / "fast-wandb.json", _with_wandb(CONFIG))
     baseline_out = tmp_path / "baseline"
     proc = run_spotline(["train", "--config", str(fast), "--output", str(baseline_out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -233,6 +240,9 @@ def test_ctrl_c_stops_at_a_checkpoint_and_resume_ends_with_the_uninterrupted_has
     assert latest_complete(out / "checkpoints") == step
     assert not (out / "summary.json").exists()
     assert not _processes_naming(str(out))
+    # What was committed went to wandb at the stop: the steps before the checkpoint.
+    stopped_run = json.loads((out / "wandb-run.json").read_text())
+    assert stopped_run["logged_steps"] == step
 
     # The same command again: refused, the checkpoints left as they were.
     before = _checkpoint_files(out)
@@ -251,7 +261,7 @@ def test_ctrl_c_stops_at_a_checkpoint_and_resume_ends_with_the_uninterrupted_has
 
     # The resume (without the slow worker: not part of the math) ends where the
     # uninterrupted run ended, every step's loss included.
-    resumed = run_spotline(["train", "--resume", str(out), "--config", str(fast)])
+    resumed = run_spotline(["train", "--resume", str(out), "--config", str(fast_wandb)])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = read_summary(out)
     assert summary["resumed_from_step"] == step
@@ -260,6 +270,11 @@ def test_ctrl_c_stops_at_a_checkpoint_and_resume_ends_with_the_uninterrupted_has
     assert summary["learning_rates"] == baseline["learning_rates"]
     assert len(set(baseline["learning_rates"])) > 4  # the schedule moved the rate
     assert summary["checkpoint_write_errors"] == []
+    # One wandb run, continued by the resume from the step the stop had logged up to.
+    resumed_run = json.loads((out / "wandb-run.json").read_text())
+    assert resumed_run == {"id": stopped_run["id"], "logged_steps": STEPS}
+    parts = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(parts) == 2 and all(p.name.endswith(f"-{stopped_run['id']}") for p in parts)
 
     # Two Ctrl-Cs: the job stops at once, still without a traceback, nothing left running.
     out2 = tmp_path / "stopped-twice"

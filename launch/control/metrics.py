@@ -19,7 +19,7 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -378,7 +378,43 @@ class RunMetrics:
 
     def log_to_wandb(self, summary: dict[str, Any], output: Path) -> None:
         """Per-step losses, the evaluations (at the step their parameters trained next) and
-        the recovery events, to wandb (offline unless configured)."""
+        the recovery events, to wandb (offline unless configured). A resumed run continues
+        its stopped part's wandb run (spotline.tracking: one run id per output directory)
+        and logs only the steps that part did not."""
+        self._replay_to_wandb(
+            output,
+            summary["losses"],
+            summary["learning_rates"],
+            summary["events"],
+            evaluations=sorted(self.evaluations),
+            summary=summary,
+        )
+
+    def log_stopped_to_wandb(self, step: int, output: Path) -> None:
+        """A stopped run's part (the steps before ``step``, the checkpoint ``--resume``
+        continues from, and their evaluations) into the run's wandb run, which the resumed
+        run continues from step ``step``."""
+        self.collect_step_values(step, refresh=True)
+        self.collect_evaluations()
+        self._replay_to_wandb(
+            output,
+            [self.losses.get(s) for s in range(step)],
+            [self.learning_rates.get(s) for s in range(step)],
+            [{"t_s": round(e.t_s, 3), "kind": e.kind, **e.detail} for e in self.events],
+            evaluations=sorted(s for s in self.evaluations if s < step),
+            summary=None,
+        )
+
+    def _replay_to_wandb(
+        self,
+        output: Path,
+        losses: Sequence[float | None],
+        learning_rates: Sequence[float | None],
+        events: Sequence[Mapping[str, Any]],
+        *,
+        evaluations: Sequence[int],
+        summary: dict[str, Any] | None,
+    ) -> None:
         tracking = self.cfg.spotline.tracking
         if tracking.wandb == "disabled":
             return
@@ -390,20 +426,18 @@ class RunMetrics:
             dataclasses.replace(tracking, progress=False),
             enabled=True,
             output_dir=output,
-            total_steps=len(summary["losses"]),
+            total_steps=len(losses),
             run_config=self.cfg.to_json(),
         )
-        for step, (loss, lr) in enumerate(
-            zip(summary["losses"], summary["learning_rates"], strict=True)
-        ):
+        for step, (loss, lr) in enumerate(zip(losses, learning_rates, strict=True)):
             if loss is not None:
                 metrics = {"loss": loss, "step_time_s": self.step_times.get(step, 0.0)}
                 tracker.log_step(step, metrics if lr is None else {**metrics, "lr": lr})
-            if step in self.evaluations:
+            if step in self.evaluations and step in evaluations:
                 tracker.log_eval(self.evaluations[step])
         # The evaluation after the last step, at a step of its own (wandb's steps only grow).
-        for step in sorted(s for s in self.evaluations if s >= len(summary["losses"])):
+        for step in (s for s in evaluations if s >= len(losses)):
             tracker.log_eval(self.evaluations[step])
-        for event in summary["events"]:
+        for event in events:
             tracker.log_event(event["kind"], {k: v for k, v in event.items() if k != "kind"})
         tracker.finish(summary)

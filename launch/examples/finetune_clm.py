@@ -14,7 +14,6 @@ gives the eval set. The tokenizer is the one saved in the model's directory.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -111,7 +110,9 @@ def main() -> None:
     )
     summary = trainer.train()
     trainer.save_model()
-    print(f"param_sha256 {summary['param_sha256']}", file=sys.stderr)
+    # Under spotline run every worker gets here once the job has ended, with {} (the run's
+    # summary.json is written by the coordinator); a plain run gets its summary.
+    print(f"finetune_clm: trained, param_sha256 {summary.get('param_sha256', 'in summary.json')}")
 
 
 if __name__ == "__main__":
