@@ -394,7 +394,7 @@ def test_evaluation_is_exact_through_a_kill_and_the_best_model_loads(tmp_path: P
     out = tmp_path / "run"
     proc = run_spotline(
         ["train", "--config", str(write_config(tmp_path / "c.json", config))]
-        + ["--workers", "4", "--stages", "2", "--inject", "kill:3:1", "--output", str(out)]
+        + ["--workers", "4", "--stages", "2", "--inject", "kill:3:1:forward", "--output", str(out)]
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = read_summary(out)

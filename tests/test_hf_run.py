@@ -87,7 +87,7 @@ def test_spotline_run_survives_a_kill_with_the_plain_runs_bits(
     assert f"finetune_clm: trained, param_sha256 {plain_hash}" in plain.stdout
     out = tmp_path / "run"
     run = run_spotline(
-        ["run", "--workers", "4", "--stages", "2", "--inject", "kill:3:1", "--output", str(out),
+        ["run", "--workers", "4", "--stages", "2", "--inject", "kill:3:1:backward", "--output", str(out),
          SCRIPT, *script_args(job, tmp_path / "unused")]
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -199,3 +199,21 @@ def test_a_worker_whose_script_makes_another_job_is_refused(
         next(model.parameters()).add_(1.0)
     with pytest.raises(UserError, match="different model"):
         check_job(tmp_path / "job", **parts)
+
+
+def test_a_data_collator_pads_rows_and_its_padding_learns_nothing() -> None:
+    """Rows of different lengths through a Hugging Face collator (padding on the right, pad
+    labels -100): one length, and what the attention mask hides is never learned."""
+    import datasets
+    import transformers
+
+    from spotline import data
+    from spotline.hf import dataset_rows
+
+    tokenizer = data.byte_level_tokenizer()
+    rows = datasets.Dataset.from_dict({"input_ids": [[5, 6, 7, 8], [9, 10], [11, 12, 13]]})
+    collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    ids, labels = dataset_rows(rows, collator, "train_dataset")
+    pad = tokenizer.pad_token_id
+    assert ids.tolist() == [[5, 6, 7, 8], [9, 10, pad, pad], [11, 12, 13, pad]]
+    assert labels.tolist() == [[5, 6, 7, 8], [9, 10, -100, -100], [11, 12, 13, -100]]
