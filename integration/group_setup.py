@@ -69,6 +69,14 @@ def init_generation_group(
 ) -> None:
     """The default gloo group over ``store``, every pair connected, collectives under
     ``collective``; a member lost meanwhile raises within about :func:`setup_bound`."""
+    assert not dist.is_initialized(), "the previous generation's groups are destroyed first"
+    # Members find each other's addresses under their group's name, which torch numbers from
+    # a count ("0" the default group, then "1", ...) that only destroy_process_group resets.
+    # A generation lost inside init_process_group (a peer gone while it connected) has
+    # advanced the count with no group to destroy: every member starts again from 0, or the
+    # members that failed there and those that failed later would rendezvous under names
+    # that never meet.
+    c10d._world.group_count = 0
     create = setup_bound(collective) / GLOO_CONNECT_WAITS
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=create)
     _connected(dist.group.WORLD, collective)  # type: ignore[arg-type]

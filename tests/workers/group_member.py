@@ -71,6 +71,11 @@ def main() -> None:
         )
     except RuntimeError as exc:
         print(f"error after {time.monotonic() - t0:.1f}s: {str(exc).splitlines()[0]}", flush=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        # The next generation, alone: its default group is "0" again whatever failed here.
+        init_generation_group(dist.PrefixStore("next", inner), 0, 1, collective=COLLECTIVE)
+        print(f"next generation's group: {dist.group.WORLD.group_name}", flush=True)  # type: ignore[union-attr]
 
 
 if __name__ == "__main__":
