@@ -217,7 +217,7 @@ def test_a_causal_lm_of_no_family_trains_whole_and_survives_a_kill(spotline_trai
     from spotline.runtime import param_sha256
 
     model = write_tiny_opt(tmp_path / "opt", dropout=0.1)
-    config = small_config(model={"name": model}, training={"steps": 5})
+    config = small_config(model={"name": model}, training={"steps": 4})
     flags = ("--logical-workers", "2", "--stages", "1")
     killed = spotline_train(config, "--workers", "2", *flags, "--inject", "kill:2:1", name="k")
     alone = spotline_train(config, "--workers", "1", *flags, name="alone")
