@@ -507,3 +507,33 @@ def test_a_causal_lm_of_no_family_cannot_be_split(tmp_path):
     with pytest.raises(UserError) as excinfo:
         models.logical_parts(cfg, 2)
     _assert_one_line_user_error(excinfo, "--stages 2", "opt", "--stages 1", "gpt2", "llama")
+
+
+def test_a_whole_model_trains_as_the_transformers_reference(dist_world, tmp_path):
+    """One process, two logical workers, the tie shared: the engine's losses and parameters
+    are the single-process transformers reference's, bit for bit (dropout off)."""
+    from conftest import small_config
+
+    from spotline.config import parse_config
+    from spotline.reference import train_reference
+    from spotline.runtime import param_sha256
+    from spotline.trainer import gather_hf_parameters, setup_worker
+
+    config = small_config(
+        model={"name": write_tiny_opt(tmp_path / "opt")},
+        training={"steps": 3},
+        topology={"workers": 1, "stages": 1},
+        elasticity={"logical_workers": 2},
+    )
+    cfg = parse_config(config)
+    try:
+        worker = setup_worker(cfg)
+        losses = [worker.train_step(step) for step in range(3)]
+        hf_params = gather_hf_parameters(worker.engine, worker.hf_config)
+        reference = train_reference(cfg)
+    finally:
+        torch.use_deterministic_algorithms(False)  # setup_worker's, for the tests after this
+    assert hf_params is not None
+    assert losses == reference["losses"]
+    digest = param_sha256(models.drop_tied_aliases(hf_params, worker.hf_config))
+    assert digest == reference["param_sha256"]
