@@ -580,7 +580,8 @@ def build_pipeline_module(
     Needs torch.distributed (deepspeed.comm) initialised. With ``topology`` its pipe
     dimension must equal ``num_stages``. ``parts`` gives the layer boundaries (default: the
     logical partition into ``num_stages`` stages). Activation checkpointing applies to the
-    transformer blocks only (the reentrant checkpoint cannot take the integer token ids).
+    transformer blocks only (the reentrant checkpoint cannot take the integer token ids), so
+    a whole model (no family; one layer taking the token ids) is never checkpointed.
     """
     if num_stages < 1:
         raise UserError(f"--stages {num_stages}: use at least 1 stage")
