@@ -148,9 +148,9 @@ def _check_causal_lm(hf_config: transformers.PretrainedConfig) -> None:
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
-    model_type = hf_config.model_type
     if is_family(hf_config):
         return
+    model_type = hf_config.model_type
     # An encoder (BERT, RoBERTa) has a causal-LM class too, but it attends both ways unless
     # its config says is_decoder: trained on shifted labels it would read the tokens it is
     # asked to predict.
@@ -195,10 +195,11 @@ def load_hf_config(
 ) -> transformers.PretrainedConfig:
     """Return the HF config for a preset name or a directory written by ``save_pretrained``.
 
-    Selects the SDPA attention implementation for the families (:func:`is_family`): a
-    transformers 5.x block built directly from a config otherwise runs without a causal
-    mask. Any other decoder-only causal LM is accepted (it trains with one stage). ``overrides`` sets existing
-    config attributes (e.g. dropout probabilities to 0.0); an unknown one is a UserError.
+    Accepts the families (:func:`is_family`) and any other decoder-only causal LM (which
+    trains whole, with one stage). Selects the SDPA attention implementation for the
+    families: a transformers 5.x block built directly from a config otherwise runs without
+    a causal mask. ``overrides`` sets existing config attributes (e.g. dropout
+    probabilities to 0.0); an unknown one is a UserError.
     """
     presets = ", ".join(PRESETS)
     if spec in PRESETS:

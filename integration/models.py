@@ -435,7 +435,8 @@ def hf_to_layer_names(
     """HF state-dict names -> pipeline state-dict names (same tensors, not copies).
 
     For a tied model HF's alias ``lm_head.weight`` maps to the LM head's copy; when the
-    alias is absent (``named_parameters()`` omits it) the copy is the input embedding.
+    alias is absent (``named_parameters()`` omits it) the copy is the input embedding. A
+    whole model's names (with or without its aliases) just gain the ``0.model.`` prefix.
     Inverse of :func:`layer_names_to_hf`.
     """
     pairs = [(slot.hf_prefix, slot.pipe_prefix) for slot in _layout(hf_config)[1]]
