@@ -143,13 +143,14 @@ def families() -> str:
 
 def _check_causal_lm(hf_config: transformers.PretrainedConfig) -> None:
     """Refuse a model that is not a decoder-only causal LM (UserError, one line)."""
+    if is_family(hf_config):
+        return
+    # Names only (no model class is imported); AutoConfig has already loaded this module.
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MASKED_LM_MAPPING_NAMES,
     )
 
-    if is_family(hf_config):
-        return
     model_type = hf_config.model_type
     # An encoder (BERT, RoBERTa) has a causal-LM class too, but it attends both ways unless
     # its config says is_decoder: trained on shifted labels it would read the tokens it is
