@@ -17,7 +17,7 @@ from spotline.config import RunConfig
 from spotline.data import PackedCorpus, load_corpus
 from spotline.errors import UserError
 from spotline.instructions import IGNORE_INDEX
-from spotline.model_config import load_hf_config, num_blocks
+from spotline.model_config import check_stages, load_hf_config
 from spotline.plan.evaluation import EvalBatches, holdout_split
 
 if TYPE_CHECKING:
@@ -51,12 +51,7 @@ def prepare_inputs(cfg: RunConfig) -> Inputs:
     """
     sl = cfg.spotline
     hf_config = load_hf_config(sl.model.name, sl.model.overrides)
-    blocks = num_blocks(hf_config)
-    if cfg.num_stages > blocks:
-        raise UserError(
-            f"--stages {cfg.num_stages} is more than the model's {blocks} transformer blocks; "
-            f"use at most {blocks} stages or a deeper model"
-        )
+    check_stages(hf_config, cfg.num_stages)
     samples_per_step = cfg.samples_per_step
     corpus = sl_data.load_corpus(
         sl.data.path,

@@ -121,13 +121,66 @@ _ARCHS: dict[str, _Arch] = {
 }
 
 
+def is_family(hf_config: transformers.PretrainedConfig) -> bool:
+    """Whether Spotline splits this model into pipeline stages (an ``_ARCHS`` family).
+
+    Any other decoder-only causal LM trains whole, as one pipeline layer: ``--stages 1``
+    only (data parallelism over logical workers).
+    """
+    return bool(hf_config.model_type in _ARCHS)
+
+
 def arch_of(hf_config: transformers.PretrainedConfig) -> _Arch:
+    """Where a family keeps its parts; only for a model :func:`is_family` accepts."""
+    assert is_family(hf_config), f"model type {hf_config.model_type!r} has no pipeline layout"
+    return _ARCHS[hf_config.model_type]
+
+
+def families() -> str:
+    """The model types Spotline splits into stages, for messages: ``"gpt2, gpt_neox, llama"``."""
+    return ", ".join(sorted(_ARCHS))
+
+
+def _check_causal_lm(hf_config: transformers.PretrainedConfig) -> None:
+    """Refuse a model that is not a decoder-only causal LM (UserError, one line)."""
+    if is_family(hf_config):
+        return
+    # Names only (no model class is imported); AutoConfig has already loaded this module.
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
     model_type = hf_config.model_type
-    if model_type not in _ARCHS:
+    # An encoder (BERT, RoBERTa) has a causal-LM class too, but it attends both ways unless
+    # its config says is_decoder: trained on shifted labels it would read the tokens it is
+    # asked to predict.
+    encoder = model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(
+        hf_config, "is_decoder", False
+    )
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or encoder:
         raise UserError(
-            f"model type {model_type!r} is not supported; use a {', '.join(sorted(_ARCHS))} model"
+            f"model type {model_type!r} is not supported: it is not a decoder-only causal LM "
+            "(transformers' AutoModelForCausalLM); use a model of the families "
+            f"{families()} or another decoder-only causal LM (opt, qwen2, mistral, phi, ...)"
         )
-    return _ARCHS[model_type]
+
+
+def check_stages(hf_config: transformers.PretrainedConfig, num_stages: int) -> None:
+    """UserError (one line) when the model cannot be split into ``num_stages`` stages."""
+    if is_family(hf_config):
+        blocks = num_blocks(hf_config)
+        if num_stages > blocks:
+            raise UserError(
+                f"--stages {num_stages} is more than the model's {blocks} transformer blocks; "
+                f"use at most {blocks} stages or a deeper model"
+            )
+    elif num_stages > 1:
+        raise UserError(
+            f"--stages {num_stages}: a model of type {hf_config.model_type!r} trains whole, with "
+            "--stages 1 (data parallelism over logical workers); the families split into "
+            f"pipeline stages are {families()}"
+        )
 
 
 def is_tied(hf_config: transformers.PretrainedConfig) -> bool:
@@ -143,9 +196,11 @@ def load_hf_config(
 ) -> transformers.PretrainedConfig:
     """Return the HF config for a preset name or a directory written by ``save_pretrained``.
 
-    Always selects the SDPA attention implementation: a transformers 5.x block built
-    directly from a config otherwise runs without a causal mask. ``overrides`` sets existing
-    config attributes (e.g. dropout probabilities to 0.0); an unknown one is a UserError.
+    Accepts the families (:func:`is_family`) and any other decoder-only causal LM (which
+    trains whole, with one stage). Selects the SDPA attention implementation for the
+    families: a transformers 5.x block built directly from a config otherwise runs without
+    a causal mask. ``overrides`` sets existing config attributes (e.g. dropout
+    probabilities to 0.0); an unknown one is a UserError.
     """
     presets = ", ".join(PRESETS)
     if spec in PRESETS:
@@ -173,7 +228,7 @@ def load_hf_config(
             f"model {spec!r}: no such preset or directory; use one of {presets} "
             "or a directory written by save_pretrained"
         )
-    arch_of(config)  # an unsupported architecture fails here, before anything is built
+    _check_causal_lm(config)  # an unsupported model fails here, before anything is built
     for name, value in (overrides or {}).items():
         if name.startswith("_") or not hasattr(config, name):
             raise UserError(
@@ -181,7 +236,10 @@ def load_hf_config(
                 "check the spelling against the model's config.json"
             )
         setattr(config, name, value)
-    config._attn_implementation = "sdpa"
+    if is_family(config):
+        # Only the families' blocks run outside their model; a whole model builds its own
+        # mask with whatever attention transformers picks for it (SDPA where it has one).
+        config._attn_implementation = "sdpa"
     return config
 
 

@@ -5,6 +5,14 @@ Turns a transformers GPT-style causal LM (GPT-2, Llama, GPT-NeoX) into the flat 
 ``TiedLayerSpec``: see below), and maps state between the pipeline's names and the Hugging
 Face model's names.
 
+Any other decoder-only causal LM (``model_config.is_family`` false: OPT, Qwen2, Mistral,
+Phi, ...) is one pipeline layer, :class:`WholeModelPipe`, the whole HF model (token ids ->
+logits), and trains with one stage only (``model_config.check_stages``): data parallelism
+over logical workers. Its state names are ``"0.model.<HF state name>"``; a tie (the LM head
+and the input embedding) stays one shared parameter inside the module, whose gradients
+autograd adds per micro-batch the same way in every placement (one stage, one layer), and
+HF's alias of it counts once (:func:`drop_tied_aliases`).
+
 Layer layout (global layer indices, the same whatever the partition)::
 
     0          token embedding          LayerSpec
@@ -40,6 +48,8 @@ with any number of stages starts from exactly :func:`reference_model`'s weights.
 from __future__ import annotations
 
 import copy
+import functools
+import json
 import os
 import shutil
 import tempfile
@@ -55,7 +65,8 @@ from torch import Tensor, nn
 
 from spotline.errors import UserError
 from spotline.model_config import PRESETS as PRESETS  # re-exported: callers say models.*
-from spotline.model_config import arch_of, is_tied
+from spotline.model_config import arch_of, check_stages, is_tied
+from spotline.model_config import is_family as is_family
 from spotline.model_config import load_hf_config as load_hf_config
 from spotline.model_config import num_blocks as num_blocks
 
@@ -76,7 +87,9 @@ def _build_hf_model(
     drives dropout) untouched, whatever the number of layers built.
     """
     config = copy.deepcopy(hf_config)
-    config._attn_implementation = "sdpa"
+    family = is_family(config)
+    if family:
+        config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         if pretrained_dir is None:
@@ -93,7 +106,8 @@ def _build_hf_model(
                     pretrained_dir,
                     config=config,
                     local_files_only=True,
-                    attn_implementation="sdpa",
+                    # A whole model keeps transformers' own choice (load_hf_config's).
+                    attn_implementation="sdpa" if family else None,
                     output_loading_info=True,
                 )
             except OSError as exc:
@@ -257,6 +271,18 @@ class LMHeadPipe(nn.Module):
         return cast(Tensor, self.head(hidden_states))
 
 
+class WholeModelPipe(nn.Module):
+    """A causal LM Spotline does not split, whole, as the pipeline's only layer: token ids
+    -> logits. Its tied weights stay shared inside it (see the module docstring)."""
+
+    def __init__(self, source: WeightSource) -> None:
+        super().__init__()
+        self.model = source.copy_of("")  # "": the model itself (copied, ties and all)
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        return cast(Tensor, self.model(input_ids=input_ids).logits)
+
+
 # ---------------------------------------------------------------------------------------
 # Layout: which global layer holds which HF submodule
 
@@ -269,8 +295,14 @@ class _LayerSlot:
     hf_prefix: str
 
 
+# The attribute of WholeModelPipe that holds the HF model: its state names' prefix.
+_WHOLE_PREFIX = "0.model."
+
+
 def _layout(hf_config: transformers.PretrainedConfig) -> tuple[int, list[_LayerSlot]]:
     """Number of pipeline layers and the name prefixes of every parameterised part."""
+    if not is_family(hf_config):
+        return 1, [_LayerSlot(_WHOLE_PREFIX, "")]
     arch = arch_of(hf_config)
     tied = is_tied(hf_config)
     slots: list[_LayerSlot] = []
@@ -302,10 +334,11 @@ def num_layers(hf_config: transformers.PretrainedConfig) -> int:
 def tied_copies(hf_config: transformers.PretrainedConfig) -> dict[str, str]:
     """Pipeline name of each tied copy -> the name of the parameter it is a copy of.
 
-    ``{"<last>.embedding.weight": "0.embedding.weight"}`` for a tied model, ``{}`` otherwise.
-    A copy is counted once (as its original) in norms and hashes.
+    ``{"<last>.embedding.weight": "0.embedding.weight"}`` for a tied model of a family,
+    ``{}`` otherwise (a whole model's tie is one shared parameter, not a copy). A copy is
+    counted once (as its original) in norms and hashes.
     """
-    if not is_tied(hf_config):
+    if not is_family(hf_config) or not is_tied(hf_config):
         return {}
     return {f"{num_layers(hf_config) - 1}.embedding.weight": "0.embedding.weight"}
 
@@ -316,8 +349,11 @@ def drop_tied_aliases(
     """``hf_state`` without HF's tied alias (``lm_head.weight``), which must equal the embedding.
 
     What remains has the names of the HF model's ``named_parameters()``: each tied weight
-    once, so hashes and norms count it once.
+    once, so hashes and norms count it once. For a whole model (not a family) every alias
+    transformers ties, and any buffer, is left out.
     """
+    if not is_family(hf_config):
+        return _whole_model_parameters(hf_state, hf_config)
     arch = arch_of(hf_config)
     alias = f"{arch.lm_head}.weight"
     out = dict(hf_state)
@@ -329,6 +365,48 @@ def drop_tied_aliases(
                 f"{alias} differs from {arch.tok_embed}.weight in a model with tied embeddings"
             )
     return out
+
+
+def _whole_model_parameters(
+    hf_state: Mapping[str, Tensor], hf_config: transformers.PretrainedConfig
+) -> dict[str, Tensor]:
+    """:func:`drop_tied_aliases` for a whole model: its ``named_parameters()`` entries of
+    ``hf_state``, after checking that each tied alias given equals its original."""
+    names = _hf_parameter_names(hf_config.model_type, hf_config.to_json_string())
+    for alias, original in names.aliases:
+        if alias in hf_state and original in hf_state:
+            if not torch.equal(hf_state[alias], hf_state[original]):
+                raise ValueError(f"{alias} differs from {original}, to which the model ties it")
+    return {name: tensor for name, tensor in hf_state.items() if name in names.parameters}
+
+
+@dataclass(frozen=True)
+class _HFParameterNames:
+    """A model's ``named_parameters()`` names and its tied aliases (alias, original)."""
+
+    parameters: frozenset[str]
+    aliases: tuple[tuple[str, str], ...]
+
+
+@functools.lru_cache(maxsize=8)
+def _hf_parameter_names(model_type: str, config_json: str) -> _HFParameterNames:
+    """The names of the model a config describes, from a weightless (meta) build of it.
+
+    Keyed by the config's model type and JSON: configs are mutable and unhashable, and the
+    reference calls this every step."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config = CONFIG_MAPPING[model_type].from_dict(json.loads(config_json))
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    first: dict[int, str] = {}
+    aliases: list[tuple[str, str]] = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            aliases.append((name, first[id(param)]))
+        else:
+            first[id(param)] = name  # named_parameters() keeps this first name, as here
+    return _HFParameterNames(frozenset(first.values()), tuple(aliases))
 
 
 def _swap_prefix(name: str, pairs: list[tuple[str, str]], what: str) -> str:
@@ -357,15 +435,18 @@ def hf_to_layer_names(
     """HF state-dict names -> pipeline state-dict names (same tensors, not copies).
 
     For a tied model HF's alias ``lm_head.weight`` maps to the LM head's copy; when the
-    alias is absent (``named_parameters()`` omits it) the copy is the input embedding.
+    alias is absent (``named_parameters()`` omits it) the copy is the input embedding. A
+    whole model's names (with or without its aliases) just gain the ``0.model.`` prefix.
     Inverse of :func:`layer_names_to_hf`.
     """
-    arch = arch_of(hf_config)
     pairs = [(slot.hf_prefix, slot.pipe_prefix) for slot in _layout(hf_config)[1]]
     drop_tied_aliases(hf_state, hf_config)  # checks that a given alias equals the embedding
     out = {_swap_prefix(name, pairs, "Hugging Face"): tensor for name, tensor in hf_state.items()}
-    embedding = hf_state.get(f"{arch.tok_embed}.weight")
-    for copy_name in tied_copies(hf_config):
+    copies = tied_copies(hf_config)  # none for a whole model, whose aliases map as they are
+    if not copies:
+        return out
+    embedding = hf_state.get(f"{arch_of(hf_config).tok_embed}.weight")
+    for copy_name in copies:
         if embedding is not None and copy_name not in out:
             out[copy_name] = embedding
     return out
@@ -384,10 +465,12 @@ def build_layer_specs(
     ``pretrained_dir``) on first use, so they equal :func:`reference_model`'s whatever the
     partition. Call ``release_weight_source(specs)`` once the PipelineModule is built.
     """
-    arch = arch_of(hf_config)
     source = WeightSource(hf_config, seed, pretrained_dir)
+    if not is_family(hf_config):
+        return [LayerSpec(WholeModelPipe, source)]
     specs: list[LayerSpec] = []
     specs.append(LayerSpec(TokenEmbeddingPipe, source))
+    arch = arch_of(hf_config)
     if arch.pos_embed or arch.embed_dropout:
         specs.append(LayerSpec(EmbeddingPostPipe, source))
     for block_idx in range(num_blocks(hf_config)):
@@ -413,10 +496,9 @@ def partition_method(hf_config: transformers.PretrainedConfig) -> str:
     """DeepSpeed partition method that spreads the transformer blocks evenly over stages.
 
     Only TransformerBlockPipe layers weigh anything; the embedding goes with the first stage
-    and the norm and head with the last.
+    and the norm and head with the last. A whole model's one layer: ``uniform``.
     """
-    arch_of(hf_config)
-    return f"type:{_BLOCK_CLASS_NAME}"
+    return f"type:{_BLOCK_CLASS_NAME}" if is_family(hf_config) else "uniform"
 
 
 def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
@@ -437,8 +519,13 @@ def logical_parts(hf_config: transformers.PretrainedConfig, num_stages: int) -> 
 
     The same computation as DeepSpeed's ``type:`` partition method, done without a process
     group, so every process (and the planner) agrees on which layers form logical stage s.
+    A whole model is one stage of one layer.
     """
     from deepspeed.runtime import utils as ds_utils
+
+    check_stages(hf_config, num_stages)
+    if not is_family(hf_config):
+        return [0, 1]
 
     weights = [0] * num_layers(hf_config)
     first_block = 2 if (arch_of(hf_config).pos_embed or arch_of(hf_config).embed_dropout) else 1
@@ -494,16 +581,12 @@ def build_pipeline_module(
     Needs torch.distributed (deepspeed.comm) initialised. With ``topology`` its pipe
     dimension must equal ``num_stages``. ``parts`` gives the layer boundaries (default: the
     logical partition into ``num_stages`` stages). Activation checkpointing applies to the
-    transformer blocks only (the reentrant checkpoint cannot take the integer token ids).
+    transformer blocks only (the reentrant checkpoint cannot take the integer token ids), so
+    a whole model (no family; one layer taking the token ids) is never checkpointed.
     """
-    count = num_blocks(hf_config)
     if num_stages < 1:
         raise UserError(f"--stages {num_stages}: use at least 1 stage")
-    if num_stages > count:
-        raise UserError(
-            f"--stages {num_stages} is more than the model's {count} transformer blocks; "
-            f"use at most {count} stages or a deeper model"
-        )
+    check_stages(hf_config, num_stages)
     if topology is not None and topology.get_dim("pipe") != num_stages:
         raise ValueError(
             f"topology has {topology.get_dim('pipe')} pipeline stages, num_stages is {num_stages}"

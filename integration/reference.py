@@ -6,7 +6,8 @@ order DeepSpeed performs it:
 
 - each micro-batch's loss is divided by the number of micro-batches before its backward
   (DeepSpeed's ``_scale_loss_by_gas``), and gradients accumulate in micro-batch order;
-- with tied embeddings, the embedding's and the LM head's gradients accumulate separately
+- with tied embeddings (a family's: a whole model keeps its tie shared, as its one pipeline
+  layer does), the embedding's and the LM head's gradients accumulate separately
   over the micro-batches (on the pipeline they live on different stages) and are added
   once at the end (``ReduceTiedGrads``); so the reference unties the two parameters and
   adds their gradients itself;
@@ -92,7 +93,11 @@ def train_reference(cfg: RunConfig) -> dict[str, Any]:
     embedding = cast(torch.Tensor, model.get_input_embeddings().weight)
     # transformers leaves get_output_embeddings unannotated
     head_module = model.get_output_embeddings()  # type: ignore[no-untyped-call]
-    tied = head_module is not None and head_module.weight is embedding
+    # Untied as a family's pipeline keeps them (two parameters); a whole model's pipeline
+    # layer shares the tied weight as transformers does, so the reference leaves it shared.
+    tied = (
+        models.is_family(hf_config) and head_module is not None and head_module.weight is embedding
+    )
     if tied:
         head_module.weight = torch.nn.Parameter(embedding.detach().clone())
     head = head_module.weight if head_module is not None else None

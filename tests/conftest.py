@@ -38,6 +38,37 @@ def small_config(**spotline_sections: Any) -> dict[str, Any]:
     }
 
 
+# A tiny OPT: a causal LM of no family Spotline splits into stages (it trains whole, with
+# one stage), whose LM head is tied to its input embedding as most small causal LMs' are.
+TINY_OPT = {
+    "vocab_size": 260,
+    "hidden_size": 32,
+    "num_hidden_layers": 2,
+    "ffn_dim": 64,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+    "word_embed_proj_dim": 32,
+    "dropout": 0.0,
+    "attention_dropout": 0.0,
+    "bos_token_id": 256,
+    "eos_token_id": 256,
+    "pad_token_id": 257,
+}
+
+
+def write_tiny_opt(directory: Path, **overrides: Any) -> str:
+    """A ``save_pretrained`` directory (config and seeded weights) of :data:`TINY_OPT`."""
+    import torch
+    import transformers
+
+    config = transformers.AutoConfig.for_model("opt", **{**TINY_OPT, **overrides})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(directory)
+    return str(directory)
+
+
 def write_config(path: Path, config: dict[str, Any]) -> Path:
     path.write_text(json.dumps(config))
     return path

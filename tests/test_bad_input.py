@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import run_spotline, small_config, write_config
+from conftest import run_spotline, small_config, write_config, write_tiny_opt
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -157,3 +157,13 @@ def test_fewer_logical_workers_than_pipelines_is_one_rule_for_both_launchers(
     )
     _check(launcher, out, "--logical-workers 3", "4 pipelines")
     assert launcher.stderr.strip() == proc.stderr.strip()  # the same rule, the same words
+
+
+def test_more_than_one_stage_of_a_model_of_no_family(tmp_path: Path) -> None:
+    model = write_tiny_opt(tmp_path / "opt")
+    out = tmp_path / "out"
+    proc = run_spotline(
+        ["train", "--model", model, "--stages", "2", "--workers", "2", "--output", str(out)]
+    )
+    _check(proc, out, "--stages 2", "opt", "--stages 1", "gpt2, gpt_neox, llama")
+    assert not out.exists()

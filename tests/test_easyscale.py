@@ -206,3 +206,24 @@ def test_an_error_in_the_training_itself_stops_the_run_instead_of_retrying(tmp_p
     # lost): redoing the step would fail the same way forever.
     line = failed_run(tmp_path, 1e38, "--workers", "1", "--logical-workers", "2")
     assert "no process lost" in line and "overflow" in line, line
+
+
+def test_a_causal_lm_of_no_family_trains_whole_and_survives_a_kill(spotline_train, tmp_path):
+    """An OPT (no family: one whole-model layer, one stage) with dropout on: two processes,
+    one killed at step 2, against one process hosting both logical workers undisturbed."""
+    import transformers
+    from conftest import write_tiny_opt
+
+    from spotline.runtime import param_sha256
+
+    model = write_tiny_opt(tmp_path / "opt", dropout=0.1)
+    config = small_config(model={"name": model}, training={"steps": 4})
+    flags = ("--logical-workers", "2", "--stages", "1")
+    killed = spotline_train(config, "--workers", "2", *flags, "--inject", "kill:2:1", name="k")
+    alone = spotline_train(config, "--workers", "1", *flags, name="alone")
+    same_run(killed, alone)
+    assert killed["preemptions"] == 1 and killed["checkpoint_fallbacks"] == 0
+    # The export is the transformers model with the run's parameters (its tie counted once).
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "k" / "model")
+    assert loaded.get_output_embeddings().weight is loaded.get_input_embeddings().weight
+    assert param_sha256(dict(loaded.named_parameters())) == killed["param_sha256"]

@@ -18,6 +18,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import deepspeed  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from conftest import write_tiny_opt  # noqa: E402
 from deepspeed.runtime.pipe.module import PipelineModule  # noqa: E402
 
 from spotline import models  # noqa: E402
@@ -456,3 +457,83 @@ def test_two_stages_on_two_processes(dist_world, tmp_path):
     for r in results:
         for n, tensor in r["state"].items():
             assert torch.equal(tensor, one_stage[n]), n
+
+
+# ---------------------------------------------------------------------------------------
+# A causal LM of no family: one whole-model pipeline layer, one stage
+
+
+def test_a_causal_lm_of_no_family_loads_as_one_whole_layer(dist_world, tmp_path):
+    cfg = models.load_hf_config(write_tiny_opt(tmp_path / "opt"))
+    assert not models.is_family(cfg)
+    assert models.num_layers(cfg) == 1 and models.logical_parts(cfg, 1) == [0, 1]
+    assert models.partition_method(cfg) == "uniform" and models.tied_copies(cfg) == {}
+    module = models.build_pipeline_module(cfg, 1, seed=SEED, pretrained_dir=str(tmp_path / "opt"))
+    ref = models.reference_model(cfg, SEED, pretrained_dir=str(tmp_path / "opt"))
+    # The tie stays one parameter inside the layer, as in transformers.
+    layer = module.forward_funcs[0]
+    assert layer.model.get_output_embeddings().weight is layer.model.get_input_embeddings().weight
+    module.eval()
+    ref.eval()
+    inputs = _tokens()
+    with torch.no_grad():
+        assert torch.equal(module(inputs), ref(inputs).logits)
+
+    # Names: "0.model.<HF name>", both ways; HF's alias counts once in a hash.
+    pipe_state = module.state_dict()
+    hf_state = models.layer_names_to_hf(pipe_state, cfg)
+    assert set(hf_state) == set(ref.state_dict()) and "lm_head.weight" in hf_state
+    assert all(name.startswith("0.model.") for name in pipe_state)
+    back = models.hf_to_layer_names(hf_state, cfg)
+    assert set(back) == set(pipe_state) and all(back[n] is pipe_state[n] for n in pipe_state)
+    assert set(models.drop_tied_aliases(hf_state, cfg)) == set(dict(ref.named_parameters()))
+    with pytest.raises(ValueError, match="differs"):
+        models.drop_tied_aliases(
+            {**hf_state, "lm_head.weight": hf_state["lm_head.weight"] + 1}, cfg
+        )
+
+    # Exported, it loads in transformers with the same parameters.
+    models.save_pretrained(pipe_state, cfg, str(tmp_path / "export"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"))
+    from spotline.runtime import param_sha256
+
+    assert param_sha256(dict(loaded.named_parameters())) == param_sha256(
+        models.drop_tied_aliases(hf_state, cfg)
+    )
+
+
+def test_a_causal_lm_of_no_family_cannot_be_split(tmp_path):
+    cfg = models.load_hf_config(write_tiny_opt(tmp_path / "opt"))
+    with pytest.raises(UserError) as excinfo:
+        models.logical_parts(cfg, 2)
+    _assert_one_line_user_error(excinfo, "--stages 2", "opt", "--stages 1", "gpt2", "llama")
+
+
+def test_a_whole_model_trains_as_the_transformers_reference(dist_world, tmp_path):
+    """One process, two logical workers, the tie shared: the engine's losses and parameters
+    are the single-process transformers reference's, bit for bit (dropout off)."""
+    from conftest import small_config
+
+    from spotline.config import parse_config
+    from spotline.reference import train_reference
+    from spotline.runtime import param_sha256
+    from spotline.trainer import gather_hf_parameters, setup_worker
+
+    config = small_config(
+        model={"name": write_tiny_opt(tmp_path / "opt")},
+        training={"steps": 3},
+        topology={"workers": 1, "stages": 1},
+        elasticity={"logical_workers": 2},
+    )
+    cfg = parse_config(config)
+    try:
+        worker = setup_worker(cfg)
+        losses = [worker.train_step(step) for step in range(3)]
+        hf_params = gather_hf_parameters(worker.engine, worker.hf_config)
+        reference = train_reference(cfg)
+    finally:
+        torch.use_deterministic_algorithms(False)  # setup_worker's, for the tests after this
+    assert hf_params is not None
+    assert losses == reference["losses"]
+    digest = param_sha256(models.drop_tied_aliases(hf_params, worker.hf_config))
+    assert digest == reference["param_sha256"]
