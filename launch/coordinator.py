@@ -609,6 +609,15 @@ class Coordinator:
         """Record the generation's reports; stop the job on one that redoing cannot fix."""
         for report in reports.values():
             self.metrics.take_report(report)
+        for w, report in reports.items():
+            worker = self.supervisor[w]
+            if report.outcome == "leaving" and worker.fate in ("running", "exited"):
+                # A notice that came while the generation failed: the worker reported and
+                # exited before its heartbeat wrote leaving/<w>, so the watch never saw it
+                # leave (found as a departure missing from the events and the count).
+                self.metrics.preemptions += 1
+                worker.fate = "left"
+                self.metrics.event("leaving", worker=w)
         failed = sorted(
             f"worker {w}: {r.error}" for w, r in reports.items() if r.outcome == "error"
         )

@@ -214,10 +214,8 @@ def test_silent_loss_fencing_arrival_notice_and_intruders_in_one_run(
     silent = r"machine-lost \{'machine': 'm2', 'evidence': 'silent'\}"
     _wait_for(err, silent, live, 300)
     hosts[1].link_up()  # back at once: its agent must find itself fenced, not the store gone
-    # m3's preemption notice, once the run has recovered from m2's loss. Sent the moment m2
-    # was declared lost, while the next generation set up, it was lost in 2 runs of 7 (no
-    # departure followed): an open defect of issue 12, not yet explained.
-    _wait_for(err, r"machine-lost \{'machine': 'm2'[\s\S]*recovered ", live, 300)
+    # m3's preemption notice, while the generation m2's loss failed is wound up: its worker
+    # may report and leave before its heartbeat says so, and must still count as a departure.
     agents["m3"].send_signal(signal.SIGTERM)
     fenced = _one_line(agents.pop("m2"), 4)
     assert fenced.startswith("spotline agent m2: the coordinator declared this machine lost")
