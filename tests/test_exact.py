@@ -8,6 +8,7 @@ import hashlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -66,27 +67,47 @@ def test_a_non_finite_gradient_is_reported_with_its_worker() -> None:
         exact_sum(g, num_logical_workers=6)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    "groups",
-    ["0,1,2;3,4,5", "0,1;2,3;4,5", "0,1,2,3;4;5", "5;0,2,4;1,3"],
-    ids=["2x3", "3x2", "4-1-1", "1-3-2 shuffled"],
-)
-def test_every_grouping_onto_processes_gives_the_same_bits(groups: str, tmp_path: Path) -> None:
-    num_ranks = len(groups.split(";"))
-    codes = run_ranks(WORKER, num_ranks, [str(tmp_path), groups], timeout=240)
-    assert codes == [0] * num_ranks
-    hashes = {
-        json.loads((tmp_path / f"rank{r}.json").read_text())["sha256"] for r in range(num_ranks)
-    }
-    assert hashes == {one_process()}
+GROUPINGS = {
+    "2x3": "0,1,2;3,4,5",
+    "3x2": "0,1;2,3;4,5",
+    "4-1-1": "0,1,2,3;4;5",
+    "1-3-2 shuffled": "5;0,2,4;1,3",
+}
+POISONED = "0,1,2;3,4,5@4"
+
+
+@pytest.fixture(scope="module")
+def ranks_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[int, dict[str, Any]]]:
+    """Every grouping and the poisoned case, each on its own gloo group of one launch of
+    three processes: per case, each member rank's result."""
+    out = tmp_path_factory.mktemp("exact")
+    cases = [*GROUPINGS.values(), POISONED]
+    world = max(len(case.partition("@")[0].split(";")) for case in cases)
+    codes = run_ranks(WORKER, world, [str(out), *cases], timeout=240)
+    assert codes == [0] * world
+    return [
+        {
+            rank: json.loads((out / f"case{i}-rank{rank}.json").read_text())
+            for rank in range(len(case.partition("@")[0].split(";")))
+        }
+        for i, case in enumerate(cases)
+    ]
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_non_finite_gradient_stops_every_process(tmp_path: Path) -> None:
-    codes = run_ranks(WORKER, 2, [str(tmp_path), "0,1,2;3,4,5", "4"], timeout=240)
-    assert codes == [0, 0]
-    for rank in range(2):
-        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"non_finite": [4]}
+def test_every_grouping_onto_processes_gives_the_same_bits(
+    ranks_results: list[dict[int, dict[str, Any]]],
+) -> None:
+    expected = one_process()
+    for name, results in zip(GROUPINGS, ranks_results, strict=False):
+        assert {r["sha256"] for r in results.values()} == {expected}, name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_non_finite_gradient_stops_every_process(
+    ranks_results: list[dict[int, dict[str, Any]]],
+) -> None:
+    poisoned = ranks_results[len(GROUPINGS)]
+    assert poisoned == {0: {"non_finite": [4]}, 1: {"non_finite": [4]}}

@@ -38,7 +38,10 @@ def test_replicas_stay_bitwise_equal_and_never_change_the_math(spotline_train, s
     assert all(s == 0 for s in lazy["redundant_compute_s_per_rank"])
 
 
-@pytest.mark.parametrize(("stages", "mode"), [(2, "lazy"), (2, "eager"), (4, "lazy"), (4, "eager")])
+# Each mode once and each stage count once: two stages (every replica wraps to the other
+# worker) lazy, four stages (a chain with one wrap) eager; the mode decides only whether the
+# replica's forward ran before the loss, the stage count only where the replica lives.
+@pytest.mark.parametrize(("stages", "mode"), [(2, "lazy"), (4, "eager")])
 def test_failover_replay_reproduces_the_owner_step(tmp_path: Path, stages: int, mode: str) -> None:
     # Dropout on: the replay must also reproduce the owner's dropout masks.
     config = small_config(training={"steps": 3}, redundancy={"mode": mode})

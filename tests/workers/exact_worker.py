@@ -1,9 +1,12 @@
 """One rank of the exact-reduction tests (tests/test_exact.py).
 
-Every rank builds the same six logical workers' gradients from a fixed seed, keeps the
-ones ``groups`` assigns to it ("0,1,2;3,4,5": rank 0 hosts 0, 1 and 2), reduces them with
-spotline.exact.exact_sum over gloo and writes the result's SHA-256 (or the error) to
-``out_dir/rank{r}.json``.
+Every rank builds the same six logical workers' gradients from a fixed seed. For each case
+on the command line (``GROUPS`` or ``GROUPS@POISON``, e.g. "0,1,2;3,4,5": rank 0 hosts 0, 1
+and 2; ``@4``: logical worker 4's gradient has a NaN) the first ``len(GROUPS)`` ranks keep
+the gradients it assigns them, reduce them with spotline.exact.exact_sum over a gloo group
+of just those ranks, and write the result's SHA-256 (or the error) to
+``out_dir/case{i}-rank{r}.json``. One launch runs every case: a process group per grouping
+instead of a set of processes per grouping.
 """
 
 from __future__ import annotations
@@ -35,19 +38,30 @@ def gradients(poison: int | None) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    out_dir, groups = sys.argv[1], sys.argv[2]
-    poison = int(sys.argv[3]) if len(sys.argv) > 3 else None
+    out_dir, cases = sys.argv[1], sys.argv[2:]
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    mine = [int(w) for w in groups.split(";")[rank].split(",")]
-    grads = gradients(poison)
-    try:
-        total = exact_sum([(w, grads[w]) for w in mine], num_logical_workers=NUM_LOGICAL_WORKERS)
-        result = {"sha256": hashlib.sha256(total.numpy().tobytes()).hexdigest()}
-    except NonFiniteGradient as exc:
-        result = {"non_finite": list(exc.logical_workers)}
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+    for index, case in enumerate(cases):
+        groups, _, poison_text = case.partition("@")
+        poison = int(poison_text) if poison_text else None
+        hosts = groups.split(";")
+        # Every rank takes part in creating each group, members or not (new_group's rule).
+        group = dist.new_group(list(range(len(hosts))))
+        if rank >= len(hosts):
+            continue
+        mine = [int(w) for w in hosts[rank].split(",")]
+        grads = gradients(poison)
+        try:
+            total = exact_sum(
+                [(w, grads[w]) for w in mine],
+                num_logical_workers=NUM_LOGICAL_WORKERS,
+                group=group,
+            )
+            result = {"sha256": hashlib.sha256(total.numpy().tobytes()).hexdigest()}
+        except NonFiniteGradient as exc:
+            result = {"non_finite": list(exc.logical_workers)}
+        with open(os.path.join(out_dir, f"case{index}-rank{rank}.json"), "w") as f:
+            json.dump(result, f)
     dist.destroy_process_group()
 
 
