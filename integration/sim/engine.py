@@ -19,7 +19,16 @@ Policies (:data:`POLICIES`), each a :class:`SimPolicy` in :data:`POLICY_MODELS`:
     ``spotline_checkpoint_interval_s`` of training until the first fatal loss; after k
     fatal losses the interval adapts to Young/Daly with the observed fatal MTBF (now / k),
     as a runtime that counts its fatal losses can (a fixed hourly checkpoint would make the
-    rigid variant redo up to an hour per fatal loss).
+    rigid variant redo up to an hour per fatal loss). Exposure checkpoints, the
+    coordinator's rule (:mod:`spotline.plan.exposure`): a layout that leaves some stage's
+    copies on at most two workers (machines, with several slots) checkpoints at its first
+    committed step when the layout before it was not exposed (a (re)start excepted), and
+    while exposed every Young/Daly interval of the bursts observed so far (batches of
+    preemptions that took members on two machines or more), never less often than the
+    interval above; ``exposure_checkpoints`` counts them, ``rollbacks`` each return to a
+    checkpoint. The runtime counts its exposed interval in steps from the first exposed
+    one; here, as for the interval above, in seconds of training since the last checkpoint
+    (one that is overdue when the interval shrinks is taken at the next committed step).
 ``spotline-rigid``
     Data parallelism fixed to the configured pipelines (the runtime before logical workers,
     and what the recorded validation replay ran): the same planner without the elastic
