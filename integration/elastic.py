@@ -342,6 +342,7 @@ class ElasticWorker:
         self._lost_said = False
         self.checkpoints: CheckpointWriter | None = None
         self.checkpoint_interval = cfg.spotline.checkpoints.interval_steps
+        self.checkpoint_from = 0
         self._training_generation: int | None = None
         # Set when the training generation is aborted: ends its rendezvous store's waits.
         self._generation_aborted = threading.Event()
@@ -490,8 +491,10 @@ class ElasticWorker:
             if plan.action == "finish":
                 break
             outcome: Outcome = "standby"
-            # The coordinator decides the interval (given, or Young/Daly for the baseline).
+            # The coordinator decides the interval (given, or Young/Daly for the baseline, or
+            # shorter from an exposed plan's first committed step: spotline.plan.exposure).
             self.checkpoint_interval = plan.checkpoint_interval
+            self.checkpoint_from = plan.checkpoint_from
             layout = plan.layout
             if plan.action == "restore":
                 assert plan.checkpoint_step is not None  # Plan's invariant
@@ -971,18 +974,20 @@ class ElasticWorker:
         key = stop_checkpoint_key(generation)
         if not self.store.check([key]) or int(self.store.get(key).decode()) != step:
             return
-        interval = self.checkpoint_interval
-        if interval <= 0 or step % interval != 0:
+        if not self._checkpoint_due(step):
             self._write_checkpoint(engine, step)
         if self.checkpoints is not None:
             self.checkpoints.wait()  # errors went to _checkpoint_failed, never raised here
         self._publish_checkpoint_errors()
 
+    def _checkpoint_due(self, step: int) -> bool:
+        """Whether the plan's schedule checkpoints committed step ``step`` (``Plan``)."""
+        interval, start = self.checkpoint_interval, self.checkpoint_from
+        return interval > 0 and step >= start and (step - start) % interval == 0
+
     def _maybe_checkpoint(self, engine: RedundantPipelineEngine, step: int) -> None:
-        interval = self.checkpoint_interval
-        if interval <= 0 or step % interval != 0:
-            return
-        self._write_checkpoint(engine, step)
+        if self._checkpoint_due(step):
+            self._write_checkpoint(engine, step)
 
     def _write_checkpoint(self, engine: RedundantPipelineEngine, step: int) -> None:
         if self.checkpoints is None:

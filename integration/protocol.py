@@ -266,7 +266,11 @@ class Plan:
     members that hold it at ``resume_step`` (empty: a fresh start, everyone builds the
     initial weights); ``sources``: per logical stage, the member that sends it to members
     that lack it; ``checkpoint_interval``: steps between checkpoints (the coordinator
-    decides: given, or Young/Daly); ``checkpoint_step``: the step a ``restore`` reads."""
+    decides: given, or Young/Daly, or shorter while the plan is exposed:
+    ``spotline.plan.exposure``), counted from ``checkpoint_from``: a member checkpoints each
+    step ``checkpoint_from + k * checkpoint_interval`` (k >= 0) it commits (0: the multiples
+    of the interval; an exposed plan's first committed step, or the step its exposure's
+    interval counts from); ``checkpoint_step``: the step a ``restore`` reads."""
 
     action: PlanAction
     layout: Layout | None = None
@@ -276,6 +280,7 @@ class Plan:
     sources: tuple[tuple[int, str], ...] = ()
     checkpoint_interval: int = 0
     checkpoint_step: int | None = None
+    checkpoint_from: int = 0
 
     def __post_init__(self) -> None:
         assert self.action in get_args(PlanAction), self.action
@@ -304,6 +309,8 @@ class Plan:
             "sources": [[s, w] for s, w in self.sources],
             "checkpoint_interval": self.checkpoint_interval,
         }
+        if self.checkpoint_from:
+            out["checkpoint_from"] = self.checkpoint_from
         if self.checkpoint_step is not None:
             out["checkpoint_step"] = self.checkpoint_step
         return out
@@ -328,6 +335,7 @@ class Plan:
             checkpoint_step=(
                 int(raw["checkpoint_step"]) if raw.get("checkpoint_step") is not None else None
             ),
+            checkpoint_from=int(raw.get("checkpoint_from", 0)),
         )
 
     def encode(self) -> str:

@@ -163,7 +163,13 @@ class Coordinator:
             interval_steps=self.policy.checkpoint_interval(cfg, self.faults.mtbf_s()),
         )
         self.planner = Planner(
-            cfg, self.store, self.supervisor, self.metrics, self.checkpoints, self
+            cfg,
+            self.store,
+            self.supervisor,
+            self.metrics,
+            self.checkpoints,
+            self,
+            cluster=self.cluster,
         )
         self.boundary_for_joiners: set[str] = set()
         self.local_agent: subprocess.Popen[bytes] | None = None
@@ -426,6 +432,7 @@ class Coordinator:
             layout=self.layout,
             generations=self.generation + 1,
             checkpoint_interval_steps=self.checkpoints.interval_steps,
+            exposure_checkpoints=self.checkpoints.exposure_checkpoints(),
             resumed_from_step=self.resume_from,
         )
         self.release_store()
@@ -546,9 +553,9 @@ class Coordinator:
         target = max(self.stop_target, self.planner.resume_step)
         if target >= self.sl.training.steps:
             return  # the run ends first: it finishes as usual
-        interval = self.checkpoints.interval_steps
-        if interval <= 0 or target % interval != 0:
-            self.checkpoints.extra.add(target)
+        # Always: an exposed plan's schedule (spotline.plan.exposure) may skip the interval's
+        # steps, and a step written by both is committed once.
+        self.checkpoints.extra.add(target)
         # Set before stop/<g>: a member that sees the stop must see where to checkpoint.
         self.store.set(stop_checkpoint_key(generation), str(target))
         key = stop_key(generation)

@@ -78,6 +78,7 @@ SUMMARY_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("degraded_s", "degraded s", "{:.0f}"),
     ("uncalibrated_s", "uncal. s", "{:.0f}"),
     ("num_fatal_failures", "fatal", "{:g}"),
+    ("exposure_checkpoints", "exp. ckpts", "{:g}"),
 )
 
 
@@ -252,6 +253,13 @@ def _assumptions(
         "checkpoint_load_s": model.checkpoint_load_s,
         "spotline_checkpoint_interval_s (until the first fatal loss)": (
             config.spotline_checkpoint_interval_s or calibration.spotline_checkpoint_interval_s
+        ),
+        "spotline exposure checkpoints (exp. ckpts)": (
+            "a layout with a stage on at most 2 workers (machines with --slots > 1) "
+            "checkpoints at its first committed step where the layout before it was not so "
+            "exposed, and while exposed every sqrt(2 * checkpoint_save_s * MTBF), MTBF = "
+            "time so far / bursts so far (batches of preemptions taking members on 2 "
+            "machines or more; before the first, the interval above; spotline.plan.exposure)"
         ),
         "preemption_notice_s (not exploited by any policy)": dict(calibration.preemption_notice_s),
         "ideal (the bound of the 'of ideal' column)": (

@@ -6,9 +6,11 @@ spotline.protocol, as a worker reads it."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import small_config
 
 from spotline.config import RunConfig, parse_config
@@ -100,6 +102,75 @@ def test_a_lost_member_is_taken_over_in_memory(tmp_path: Path) -> None:
     assert all(store.check([entry_key(w)]) for w in ("w0", "w2", "w3"))
     assert metrics.recoveries == 1 and metrics.steps_redone == 1 and metrics.fallbacks == 0
     assert [e["in_memory"] for e in metrics.recovery_events] == [True]
+
+
+def _exposure_planner(
+    workers: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Planner, DictStore]:
+    """A planner of 2 stages on ``workers`` local workers, checkpoints every 100 steps, its
+    clock stopped at 250 s (the exposed interval is Young/Daly of the bursts so far)."""
+    cfg = parse_config(
+        small_config(
+            topology={"stages": 2, "workers": workers}, checkpoints={"interval_steps": 100}
+        )
+    )
+    store = DictStore()
+    metrics = RunMetrics(cfg, store, snapshot=lambda: (0, workers, {}))
+    monkeypatch.setattr(metrics, "now", lambda: 250.0)
+    checkpoints = CheckpointCommits(cfg, store, metrics, tmp_path, interval_steps=100)
+    ref: list[Planner] = []
+    supervisor: Any = NoExits()
+    planner = Planner(cfg, store, supervisor, metrics, checkpoints, Loop(ref))
+    ref.append(planner)
+    return planner, store
+
+
+def _lose(planner: Planner, store: DictStore, lost: set[str]) -> Plan:
+    """The running layout (held at step 5) loses ``lost`` at once; the plan after it."""
+    layout = planner.layout
+    assert layout is not None
+    held = member_holdings(layout, 5, replicas=True)
+    survivors = [WorkerReport(w, held[w], layout.slot_of(w)) for w in layout.members]
+    survivors = [r for r in survivors if r.worker not in lost]
+    POLICIES["failover"].recover(planner, survivors, reached=6, ready_t=0.0)
+    return Plan.decode(store.get(plan_key(1)))
+
+
+def test_an_exposed_plan_checkpoints_at_its_first_committed_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two pipelines of two stages lose w1: one pipeline is left, each stage on two workers
+    (exposed: spotline.plan.exposure). Its first committed step is checkpointed, then the
+    interval counts from there (no burst seen: the 100 steps)."""
+    planner, store = _exposure_planner(4, tmp_path, monkeypatch)
+    planner.layout = initial_layout(2, 2, ["w0", "w1", "w2", "w3"], elastic=True)
+    plan = _lose(planner, store, {"w1"})
+    assert plan.layout is not None and plan.layout.num_pipelines == 1
+    assert (plan.resume_step, plan.checkpoint_from, plan.checkpoint_interval) == (5, 6, 100)
+    # The coordinator commits those steps too, up to where the next plan resumes.
+    assert planner.checkpoints.exposed_steps(300) == {6, 106, 206}
+    assert planner.bursts == 0
+
+
+def test_a_burst_shortens_the_exposed_interval_to_young_daly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    planner, store = _exposure_planner(6, tmp_path, monkeypatch)
+    planner.layout = initial_layout(2, 3, [f"w{i}" for i in range(6)], elastic=True)
+    # One worker lost: two pipelines left, four copies of each stage: not exposed.
+    plan = _lose(planner, store, {"w5"})
+    assert plan.layout is not None and plan.layout.num_pipelines == 2
+    assert (plan.checkpoint_from, plan.checkpoint_interval) == (0, 100)
+    # Then two at once (a burst): one pipeline, exposed; Young/Daly with 250 s over one
+    # burst and recovery.checkpoint_cost_s 0.05 s, in steps of step_time_estimate_s 0.1 s.
+    plan = _lose(planner, store, set(plan.layout.members[:2]))
+    assert plan.layout is not None and plan.layout.num_pipelines == 1
+    assert planner.bursts == 1
+    assert math.floor(math.sqrt(2 * 0.05 * 250.0) / 0.1) == 50
+    assert (plan.resume_step, plan.checkpoint_from, plan.checkpoint_interval) == (5, 6, 50)
+    assert planner.checkpoints.exposed_steps(120) == {6, 56, 106}
+    # checkpoint-restart restarts from the checkpoint at every loss: no exposure rule.
+    assert not POLICIES["checkpoint-restart"].exposure_checkpoints
 
 
 def test_a_fatal_loss_without_a_checkpoint_starts_over(tmp_path: Path) -> None:

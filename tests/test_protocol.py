@@ -111,6 +111,8 @@ def test_layout_json_round_trip() -> None:
             ((0, "w0"), (1, "w1")),
             checkpoint_interval=3,
         ),
+        # An exposed plan's schedule: its first committed step, then every 3 (exposure).
+        Plan("train", LAYOUT, {"p0000": (0,)}, 5, checkpoint_interval=3, checkpoint_from=6),
         Plan(
             "restore",
             LAYOUT,

@@ -58,9 +58,11 @@ def baselines(tmp_path_factory) -> dict[str, str]:
     ],
 )
 def test_sigkill_mid_step_is_taken_over_from_memory(
-    spotline_train, baselines, topology, inject
+    spotline_train, baselines, topology, inject, tmp_path: Path
 ) -> None:
-    summary = spotline_train(CONFIG, *TOPOLOGIES[topology], "--inject", inject)
+    # Checkpoints every 100 steps: none due in 6 but those of the exposure rule.
+    flags = ("--checkpoint-interval", "100", "--inject", inject)
+    summary = spotline_train(CONFIG, *TOPOLOGIES[topology], *flags)
     assert summary["param_sha256"] == baselines[topology]
     assert summary["preemptions"] == 1
     assert summary["recoveries"] == 1
@@ -68,6 +70,20 @@ def test_sigkill_mid_step_is_taken_over_from_memory(
     (event,) = summary["recovery_events"]
     assert event["recovery_s"] > 0
     assert all(loss is not None for loss in summary["losses"])
+    # Exposure checkpoints (spotline.plan.exposure): 2x2 is down to one pipeline, each
+    # stage on two workers, so the new generation's first committed step is checkpointed;
+    # 1x4 was exposed from the start (a start is no first exposure): nothing is. One loss
+    # is no burst: the interval stays at 100.
+    from spotline.checkpoint_manifest import latest_complete, step_dirs
+
+    root = tmp_path / "run" / "checkpoints"
+    if topology == "2x2":
+        (failover,) = [e for e in summary["events"] if e["kind"] == "plan" and "resume" in e]
+        assert [step for step, _ in step_dirs(root)] == [failover["resume"] + 1]
+        assert latest_complete(root) == failover["resume"] + 1
+        assert summary["exposure_checkpoints"] == 1
+    else:
+        assert step_dirs(root) == [] and summary["exposure_checkpoints"] == 0
 
 
 @pytest.mark.parametrize("topology", ["1x4", "2x2"])

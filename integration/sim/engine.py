@@ -19,7 +19,16 @@ Policies (:data:`POLICIES`), each a :class:`SimPolicy` in :data:`POLICY_MODELS`:
     ``spotline_checkpoint_interval_s`` of training until the first fatal loss; after k
     fatal losses the interval adapts to Young/Daly with the observed fatal MTBF (now / k),
     as a runtime that counts its fatal losses can (a fixed hourly checkpoint would make the
-    rigid variant redo up to an hour per fatal loss).
+    rigid variant redo up to an hour per fatal loss). Exposure checkpoints, the
+    coordinator's rule (:mod:`spotline.plan.exposure`): a layout that leaves some stage's
+    copies on at most two workers (machines, with several slots) checkpoints at its first
+    committed step when the layout before it was not exposed (a (re)start excepted), and
+    while exposed every Young/Daly interval of the bursts observed so far (batches of
+    preemptions that took members on two machines or more), never less often than the
+    interval above; ``exposure_checkpoints`` counts them, ``rollbacks`` each return to a
+    checkpoint. The runtime counts its exposed interval in steps from the first exposed
+    one; here, as for the interval above, in seconds of training since the last checkpoint
+    (one that is overdue when the interval shrinks is taken at the next committed step).
 ``spotline-rigid``
     Data parallelism fixed to the configured pipelines (the runtime before logical workers,
     and what the recorded validation replay ran): the same planner without the elastic
@@ -76,6 +85,7 @@ from types import MappingProxyType
 from typing import ClassVar, Literal
 
 from spotline.plan.capacity import DEFAULT_STAGES_PER_WORKER, Capacity
+from spotline.plan.exposure import exposed_interval_s, exposed_stages, first_exposure, is_burst
 from spotline.plan.layout import (
     FatalLoss,
     Holding,
@@ -283,6 +293,9 @@ class PolicyResult:
     timeline: tuple[TimelinePoint, ...] = ()
     layouts: tuple[PlannedLayout, ...] = ()
     uncalibrated_s: float = 0.0
+    exposure_checkpoints: int = 0
+    rollbacks: tuple[tuple[float, int], ...] = ()
+    """Each return to a checkpoint: (seconds into the trace, samples rolled back)."""
 
     @property
     def samples_per_s(self) -> float:
@@ -322,6 +335,7 @@ class PolicyResult:
             "num_failovers": self.num_failovers,
             "num_preemptions": self.num_preemptions,
             "checkpoint_interval_s": self.checkpoint_interval_s,
+            "exposure_checkpoints": self.exposure_checkpoints,
         }
 
 
@@ -436,7 +450,18 @@ class _Run:
         self.config = config
         self.samples_per_step = config.model.samples_per_step
         self.checkpoint_save_s = config.model.checkpoint_save_s
+        # The policy's interval (Spotline's: the long one until a fatal loss, then Young/Daly)
+        # and the one in force (shorter while the plan is exposed: spotline.plan.exposure).
+        self.base_interval_s = checkpoint_interval_s
         self.interval_s = checkpoint_interval_s
+        # Exposure-triggered checkpoints: whether the running layout is exposed, whether a
+        # checkpoint is due at the next committed step (a first exposure), whether the one
+        # being written counts as one, and how many completed.
+        self.exposed = False
+        self.checkpoint_on_commit = False
+        self.pending_exposure = False
+        self.exposure_checkpoints = 0
+        self.rollbacks: list[tuple[float, int]] = []  # (when, steps rolled back)
         self.now = 0.0
         self.status: _Status = "waiting"
         self.pause_end = 0.0
@@ -497,6 +522,14 @@ class _Run:
             self.trained_steps += whole
             self.progress -= whole
 
+    def _end_step(self) -> None:
+        """Training stopped exactly at a step's end: commit it (the float sum of the
+        fractions may fall an ulp short of 1 or land an ulp past it)."""
+        if self.progress > 0.5:
+            self.committed_steps += 1
+            self.trained_steps += 1
+        self.progress = 0.0
+
     def advance(self, t_s: float) -> None:
         """Run the state machine up to ``t_s``, calling ``on_checkpoint`` at the moment each
         checkpoint completes (the checkpoint-restart policy grows the job there)."""
@@ -504,12 +537,23 @@ class _Run:
             status = self.status
             if status == "running":
                 due = self.now + (self.interval_s - self.since_checkpoint_s)
+                at_commit = self.checkpoint_on_commit or due < self.now
+                if at_commit:
+                    # At the next committed step (workers save a committed step): the first
+                    # of an exposed generation, or the first after the interval shrank below
+                    # the time since the last checkpoint (spotline.plan.exposure). The step
+                    # under way carries over from the last generation: what is left of it.
+                    due = self.now + (1.0 - self.progress) * self.step_time_s
                 if due <= t_s:
-                    self._train(max(0.0, due - self.now))
+                    self._train(due - self.now)
+                    if at_commit:
+                        self._end_step()
                     self.now = due
                     self.status = "checkpointing"
                     self.checkpoint_end = due + self.checkpoint_save_s
                     self.pending_checkpoint_steps = self.committed_steps
+                    self.pending_exposure = self.exposed or at_commit
+                    self.checkpoint_on_commit = False
                     self.record()
                 else:
                     self._train(t_s - self.now)
@@ -520,6 +564,7 @@ class _Run:
                 self.now = end
                 if end == self.checkpoint_end:
                     self.checkpoint_steps = self.pending_checkpoint_steps
+                    self.exposure_checkpoints += self.pending_exposure
                     self.since_checkpoint_s = 0.0
                     self.status = "running"
                     self.record()
@@ -569,6 +614,7 @@ class _Run:
 
     def rollback(self) -> None:
         """Return to the last checkpoint: the steps since then are redone later."""
+        self.rollbacks.append((self.now, self.committed_steps - self.checkpoint_steps))
         self.redone_steps += self.committed_steps - self.checkpoint_steps
         self.committed_steps = self.checkpoint_steps
         self.progress = 0.0
@@ -617,7 +663,9 @@ def _finish(
         num_restarts=num_restarts,
         num_failovers=num_failovers,
         num_preemptions=num_preemptions,
-        checkpoint_interval_s=run.interval_s,
+        checkpoint_interval_s=run.base_interval_s,
+        exposure_checkpoints=run.exposure_checkpoints,
+        rollbacks=tuple((t_s, steps * run.samples_per_step) for t_s, steps in run.rollbacks),
         timeline=tuple(run.timeline) if run.timeline is not None else (),
         layouts=layouts,
     )
@@ -799,6 +847,25 @@ def _canonical(layout: Layout) -> Layout:
     )
 
 
+_EXPOSED_SHAPES: dict[tuple[tuple[tuple[int, ...], ...], int], tuple[int, ...]] = {}
+"""Exposed stages by layout shape, with every worker its own machine (shared by a sweep)."""
+
+
+def _exposed_stages(members: _Members, machine_of: Mapping[str, str] | None) -> tuple[int, ...]:
+    """The members' exposed stages (:func:`spotline.plan.exposure.exposed_stages`):
+    ``machine_of`` the machine of each worker (None: each worker its own, so the answer
+    depends on the shape only and is memoized)."""
+    layout = members.layout
+    if machine_of is None:
+        key = (layout.groups, layout.num_pipelines)
+        if key not in _EXPOSED_SHAPES:
+            _EXPOSED_SHAPES[key] = exposed_stages(layout, str)
+        return _EXPOSED_SHAPES[key]
+    # The canonical layout names each member after its slot: its machine is its node's.
+    domains = {f"m{p}.{i}": machine_of[worker] for (p, i), worker in members.by_slot.items()}
+    return exposed_stages(layout, domains.__getitem__)
+
+
 class _Members:
     """The running (or last) layout in the simulator: its canonical shape and the node on
     each slot."""
@@ -853,6 +920,9 @@ class _Job:
         self.members: _Members | None = None
         self.lost: set[Slot] = set()
         self.num_fatal = self.num_restarts = self.num_failovers = self.num_preemptions = 0
+        # Batches of preemptions that took members on two machines or more at once
+        # (spotline.plan.exposure.is_burst): the Spotline policies' exposed interval.
+        self.num_bursts = 0
 
     def start(self) -> None:
         """A (re)start on the ready nodes with no state in memory: the planner's first
@@ -869,6 +939,7 @@ class _Job:
             self.run.pause("restart", self.policy.restart_cost_s(self.config, first=first))
             self.num_restarts += 1
             self.record_layout()
+            self.policy.on_start(self)
         self.run.set_layout(None if self.members is None else self.members.layout)
 
     def machines(self, workers: Sequence[str]) -> list[str] | None:
@@ -993,6 +1064,9 @@ class SimPolicy(ABC):
     def checkpoint_interval_s(self, trace: Trace, config: SimConfig) -> float:
         """Seconds of training between checkpoints at the start of a run."""
 
+    def on_start(self, job: _Job) -> None:  # noqa: B027 (a hook most policies leave empty)
+        """A (re)start has just adopted a layout (no state in memory before it)."""
+
     @abstractmethod
     def on_preemption(self, job: _Job, gone: frozenset[Slot]) -> None:
         """Members on the slots ``gone`` were preempted (counted already)."""
@@ -1029,6 +1103,12 @@ class SpotlinePolicy(SimPolicy):
     def on_preemption(self, job: _Job, gone: frozenset[Slot]) -> None:
         if not job.lost:
             job.num_failovers += 1
+        members = job.members
+        assert members is not None
+        workers = [members.by_slot[slot] for slot in gone]
+        # The failure domains it took: machines, or with one slot each the workers.
+        on = workers if job.slots_per_machine == 1 else [job.machine_of[w] for w in workers]
+        job.num_bursts += is_burst(on)
         job.lost |= gone
         self._replan(job)
 
@@ -1055,7 +1135,7 @@ class SpotlinePolicy(SimPolicy):
         if isinstance(result, FatalLoss):
             job.num_fatal += 1
             run.rollback()
-            run.interval_s = max(
+            run.base_interval_s = max(
                 MIN_CHECKPOINT_INTERVAL_S,
                 young_daly_interval_s(
                     job.config.model.checkpoint_save_s, max(run.now, 1.0) / job.num_fatal
@@ -1073,6 +1153,33 @@ class SpotlinePolicy(SimPolicy):
             transfer_s = calibration.state_transfer_s if result.moves_state else 0.0
             run.pause("reconfigure", calibration.reconfigure_s + transfer_s)
             run.set_layout(job.members.layout)
+            self._exposure(job, restarted=False)
+
+    def on_start(self, job: _Job) -> None:
+        self._exposure(job, restarted=True)
+
+    def _exposure(self, job: _Job, *, restarted: bool) -> None:
+        """The exposure rule on the layout just adopted (spotline.plan.exposure, the
+        coordinator's): a checkpoint at the first committed step of a first exposure, and
+        the Young/Daly interval of the preemptions observed so far while exposed."""
+        members, run = job.members, job.run
+        assert members is not None
+        exposed = bool(
+            _exposed_stages(members, job.machine_of if job.slots_per_machine > 1 else None)
+        )
+        run.checkpoint_on_commit = first_exposure(exposed, run.exposed, restarted=restarted)
+        run.exposed = exposed
+        run.interval_s = run.base_interval_s
+        if exposed:
+            run.interval_s = max(
+                MIN_CHECKPOINT_INTERVAL_S,
+                exposed_interval_s(
+                    run.base_interval_s,
+                    job.config.model.checkpoint_save_s,
+                    run.now,
+                    job.num_bursts,
+                ),
+            )
 
 
 class RigidSpotlinePolicy(SpotlinePolicy):

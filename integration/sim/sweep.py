@@ -38,6 +38,7 @@ METRICS: tuple[str, ...] = (
     "num_restarts",
     "num_failovers",
     "num_preemptions",
+    "exposure_checkpoints",
 )
 
 

@@ -48,6 +48,10 @@ class CheckpointCommits:
         self.committed: set[int] = set()
         self.failed: set[int] = set()  # steps with a file that failed: never committed
         self.extra: set[int] = set()  # checkpoints written off the interval (a stop)
+        # Each published plan's schedule, (resume step, checkpoint_from, interval, exposed),
+        # in order: an exposed plan checkpoints off the interval (spotline.plan.exposure).
+        self.windows: list[tuple[int, int, int, bool]] = []
+        self.exposure_due: set[int] = set()  # the steps exposed plans checkpoint
         self.errors_seen = 0  # checkpoint-error/<n> keys read
 
     def poll_errors(self) -> None:
@@ -74,13 +78,40 @@ class CheckpointCommits:
             flush=True,
         )
 
+    def schedule(self, resume: int, start: int, interval: int, *, exposed: bool) -> None:
+        """A plan resuming at ``resume`` was published with this schedule (``Plan``'s
+        ``checkpoint_from`` and ``checkpoint_interval``); ``exposed``: off the interval."""
+        self.windows.append((resume, start, interval, exposed))
+
+    def exposed_steps(self, last: int) -> set[int]:
+        """The steps up to ``last`` that exposed plans checkpoint: ``start + k * interval``
+        past each one's resume step, up to where the next plan resumes (its generation
+        committed nothing later: a failover resumes at the last committed step, a fallback
+        earlier, where the steps are redone under the next plan's schedule)."""
+        steps: set[int] = set()
+        for k, (resume, start, interval, exposed) in enumerate(self.windows):
+            if not exposed or interval <= 0:
+                continue
+            end = last if k + 1 == len(self.windows) else min(last, self.windows[k + 1][0])
+            first = (
+                start if start > resume else start + -(-(resume + 1 - start) // interval) * interval
+            )
+            steps.update(range(first, end + 1, interval))
+        return steps
+
+    def exposure_checkpoints(self) -> int:
+        """Committed checkpoints that exposed plans asked for."""
+        return len(self.committed & self.exposure_due)
+
     def commit(self, last: int) -> None:
         """Commit every due checkpoint whose files are all there: the interval's up to step
-        ``last`` and any written off it."""
+        ``last``, the exposed plans' and any written off it."""
         interval = self.interval_steps
         due = set(self.extra)
         if interval > 0:
             due.update(range(interval, last + 1, interval))
+        self.exposure_due |= self.exposed_steps(last)
+        due |= self.exposure_due
         due -= self.committed | self.failed
         if not due:
             return

@@ -276,6 +276,7 @@ class RunMetrics:
         generations: int,
         checkpoint_interval_steps: int,
         resumed_from_step: int | None,
+        exposure_checkpoints: int = 0,
     ) -> dict[str, Any]:
         """The run's ``summary.json`` (also writes ``timeline.csv`` and ``timeline.png``)."""
         cfg, sl = self.cfg, self.cfg.spotline
@@ -336,6 +337,9 @@ class RunMetrics:
             "redundancy": sl.redundancy.mode,
             "recovery_mode": sl.recovery.mode,
             "checkpoint_interval_steps": checkpoint_interval_steps,
+            # Checkpoints committed because a plan left a stage few copies (its first
+            # committed step, then the exposed interval: spotline.plan.exposure).
+            "exposure_checkpoints": exposure_checkpoints,
             "checkpoint_write_errors": [e.to_json() for e in self.checkpoint_write_errors],
             "resumed_from_step": resumed_from_step,
             "param_sha256": param_hash,

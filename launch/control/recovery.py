@@ -20,6 +20,7 @@ added to :data:`POLICIES` (and its name to that vocabulary).
 
 from __future__ import annotations
 
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
@@ -31,6 +32,13 @@ from spotline.config import RunConfig
 from spotline.launch.control.checkpoints import CheckpointCommits
 from spotline.launch.control.metrics import RunMetrics
 from spotline.launch.control.supervisor import Supervisor
+from spotline.plan.exposure import (
+    exposed_interval_s,
+    exposed_stages,
+    first_exposure,
+    is_burst,
+    observed_mtbf_s,
+)
 from spotline.plan.layout import (
     FatalLoss,
     Layout,
@@ -90,7 +98,11 @@ class Planner:
         metrics: RunMetrics,
         checkpoints: CheckpointCommits,
         conductor: Conductor,
+        *,
+        cluster: bool = False,
     ) -> None:
+        """``cluster``: the workers run on joined machines, a preemption takes a machine
+        (False: ``spotline train``, whose faults take single workers)."""
         self.cfg = cfg
         self.store = store
         self.supervisor = supervisor
@@ -100,6 +112,12 @@ class Planner:
         self.layout: Layout | None = None
         self.resume_step = 0
         self.included: set[str] = set()  # workers given an entry generation
+        # Exposure checkpoints (spotline.plan.exposure): a failure domain is what one
+        # preemption takes, a machine of a cluster or a worker of ``spotline train``.
+        self.cluster = cluster
+        self.exposed = False  # whether the last plan with a layout was exposed
+        self.exposure_from = 0  # the step the exposed interval counts from
+        self.bursts = 0  # failures that took members on two domains or more at once
 
     # -- publishing ---------------------------------------------------------------------------
     def include(self, wid: str, generation: int) -> None:
@@ -129,6 +147,8 @@ class Planner:
         *,
         checkpoint_step: int | None = None,
     ) -> Plan:
+        restarted = action == "restore" or not any(holders.values())
+        interval, start = self._checkpoint_schedule(layout, resume, restarted=restarted)
         return Plan(
             action=action,
             layout=layout,
@@ -136,9 +156,51 @@ class Planner:
             resume_step=resume,
             holders={s: tuple(ws) for s, ws in holders.items()},
             sources=tuple(sources),
-            checkpoint_interval=self.checkpoints.interval_steps,
+            checkpoint_interval=interval,
             checkpoint_step=checkpoint_step,
+            checkpoint_from=start,
         )
+
+    def domain(self, worker: str) -> str:
+        """What one preemption takes with ``worker``: its machine in a cluster, itself in
+        ``spotline train`` (one local machine, whose faults and traces take workers)."""
+        return self.supervisor.machine_of(worker) if self.cluster else worker
+
+    def _checkpoint_schedule(
+        self, layout: Layout | None, resume: int, *, restarted: bool
+    ) -> tuple[int, int]:
+        """``(checkpoint_interval, checkpoint_from)`` of a plan resuming at ``resume``: the
+        policy's interval, or, for an exposed layout of a policy that keeps state in memory
+        (spotline.plan.exposure, the simulator's rule), its first committed step when it
+        is the first exposed one, then Young/Daly of the bursts seen, in steps. Recorded
+        with the checkpoint commits, which commit those steps too."""
+        base = self.checkpoints.interval_steps
+        if layout is None:
+            return base, 0
+        replicas = self.cfg.spotline.redundancy.mode != "off"
+        exposed = bool(exposed_stages(layout, self.domain, replicas=replicas))
+        policy = POLICIES[self.cfg.spotline.recovery.mode]
+        # base 0: checkpoints are off (the user's choice), exposed or not.
+        if not (exposed and base > 0 and policy.exposure_checkpoints):
+            self.exposed = exposed
+            self.checkpoints.schedule(resume, 0, base, exposed=False)
+            return base, 0
+        rec = self.cfg.spotline.recovery
+        step_s = rec.step_time_estimate_s
+        interval = base  # before the first burst: no rate observed
+        if observed_mtbf_s(self.metrics.now(), self.bursts) is not None:
+            seconds = exposed_interval_s(
+                base * step_s, rec.checkpoint_cost_s, self.metrics.now(), self.bursts
+            )
+            # Whole steps, rounded down as interval_steps rounds, never above the base.
+            interval = min(base, max(1, math.floor(seconds / step_s)))
+        if first_exposure(exposed, self.exposed, restarted=restarted):
+            self.exposure_from = resume + 1  # its first committed step
+        elif restarted:
+            self.exposure_from = resume  # the checkpoint it read, or the start
+        self.exposed = True
+        self.checkpoints.schedule(resume, self.exposure_from, interval, exposed=True)
+        return interval, self.exposure_from
 
     def _logical_assignment(self, layout: Layout | None) -> dict[str, tuple[int, ...]] | None:
         """Which logical pipelines each physical pipeline of ``layout`` runs, in proportion to
@@ -184,6 +246,11 @@ class Planner:
         everyone had stopped (a change without a failure is timed from there)."""
         S, P = self.cfg.num_stages, self.cfg.num_pipelines
         g = self.conductor.generation
+        if failure and self.layout is not None:
+            # The members the failure took, by failure domain: a burst or a single loss.
+            live = {r.worker for r in reports}
+            lost = [self.domain(w) for w in self.layout.members if w not in live]
+            self.bursts += is_burst(lost)
         capacity = self.cfg.capacity
         result = plan_generation(g, S, P, reports, elastic=True, capacity=capacity)
         never_trained = (
@@ -371,6 +438,9 @@ class RecoveryPolicy(ABC):
     """What a failure (a member lost) leads to, and the checkpoint interval it needs."""
 
     name: ClassVar[RecoveryMode]
+    exposure_checkpoints: ClassVar[bool] = False
+    """Whether an exposed plan checkpoints off the interval (spotline.plan.exposure): for a
+    policy that survives losses in memory."""
 
     def checkpoint_interval(self, cfg: RunConfig, mtbf_s: float | None) -> int:
         """Steps between checkpoints (0: none); ``mtbf_s``: wall seconds between the
@@ -388,6 +458,7 @@ class FailoverPolicy(RecoveryPolicy):
     """Bamboo's takeover in memory; a fatal loss reads the last checkpoint."""
 
     name: ClassVar[Failover] = "failover"
+    exposure_checkpoints: ClassVar[bool] = True
 
     def recover(
         self, planner: Planner, reports: list[WorkerReport], *, reached: int, ready_t: float
