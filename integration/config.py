@@ -86,6 +86,11 @@ class TopologySection:
 
     stages: int = 2
     workers: int = 4
+    # Workers the run starts with (None: ``workers``): ``spotline coordinator`` starts once
+    # machines with this many slots have joined, and later machines join at step boundaries
+    # up to ``workers`` (a spot cluster rarely has every machine up at once). A replayed
+    # trace's first nodes decide instead.
+    start_workers: int | None = None
 
 
 @dataclass(frozen=True)
@@ -517,6 +522,13 @@ def validate(cfg: RunConfig) -> None:
             )
     _positive("spotline.topology.stages", sl.topology.stages)
     _positive("spotline.topology.workers", sl.topology.workers)
+    _positive("spotline.topology.start_workers", sl.topology.start_workers)
+    start = sl.topology.start_workers
+    if start is not None and start > sl.topology.workers:
+        raise UserError(
+            f"--start-workers {start} is more than --workers {sl.topology.workers}; the run "
+            f"starts with at most its workers (use 1 to {sl.topology.workers})"
+        )
     _positive("spotline.training.steps", sl.training.steps)
     _positive("spotline.model.seq_len", sl.model.seq_len)
     _positive("spotline.elasticity.logical_workers", sl.elasticity.logical_workers)

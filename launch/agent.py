@@ -87,6 +87,11 @@ class Refused(Exception):
     """The coordinator refused this machine (the reason: one line)."""
 
 
+class NoAnswer(Exception):
+    """The coordinator gave no answer to this machine's registration in time (not a
+    refusal: the store took the registration, nobody read it)."""
+
+
 class Fenced(Exception):
     """The coordinator declared this machine lost while it was cut off."""
 
@@ -158,7 +163,7 @@ class Agent:
         deadline = time.monotonic() + limit_s
         while (answer := self.admission()) is None:
             if time.monotonic() > deadline:
-                raise Refused(f"no answer from the coordinator within {limit_s:g} s")
+                raise NoAnswer(f"{limit_s:g}")
             time.sleep(POLL_S * 5)
         if answer.refused is not None:
             raise Refused(answer.refused)
@@ -449,6 +454,16 @@ def _join_and_serve(
                 flush=True,
             )
             return EXIT_REFUSED
+        except NoAnswer:
+            print(
+                f"spotline agent {name}: the coordinator at {args.join} took this "
+                f"machine's registration but did not answer it within {args.lost_after:g} s "
+                "(a coordinator that is not running a job, or stopped mid-run); exiting (wait "
+                "longer with --lost-after S)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_COORDINATOR_LOST
         return _serve(agent, args.lost_after)
     finally:
         if agent.live():

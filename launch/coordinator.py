@@ -172,6 +172,8 @@ class Coordinator:
             cluster=self.cluster,
         )
         self.boundary_for_joiners: set[str] = set()
+        # The generation whose wait for machines was said (one line a wait, on a cluster).
+        self.said_waiting_at: int | None = None
         self.local_agent: subprocess.Popen[bytes] | None = None
         self.last_commit_check = 0.0
         self.failures_without_loss = 0
@@ -297,6 +299,13 @@ class Coordinator:
             if not starting:
                 self.faults.skip_idle_time()
             if not starting and not self.faults.more_to_come():
+                if self.cluster:
+                    # A cluster's machines join when their cloud brings them (a preempted
+                    # spot machine's replacement boots minutes later): wait, bounded by
+                    # _check_stalled's no_progress_timeout_s.
+                    self._say_waiting_for_machines()
+                    time.sleep(POLL_S)
+                    continue
                 raise RuntimeError(
                     no_workers_message(
                         len(self.supervisor.live_ids()),
@@ -308,6 +317,21 @@ class Coordinator:
                     )
                 )
             time.sleep(POLL_S)
+
+    def _say_waiting_for_machines(self) -> None:
+        """One line, once per wait, that a cluster's job waits for machines to join."""
+        if self.said_waiting_at == self.generation:
+            return
+        self.said_waiting_at = self.generation
+        limit = self.sl.recovery.no_progress_timeout_s
+        bound = f"; it stops after {limit:g} s without a committed step" if limit > 0 else ""
+        print(
+            f"spotline: {len(self.supervisor.live_ids())} live worker(s), too few to train: "
+            f"waiting for machines to join (`spotline agent --join {self._join_arg()} "
+            f"--token-file {self.token_path}`){bound}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def _check_stalled(self) -> None:
         """Stop a run that cannot progress: no step committed for no_progress_timeout_s while

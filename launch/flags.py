@@ -12,6 +12,7 @@ from typing import Any
 # flag dest -> dotted config key
 FLAG_KEYS: dict[str, str] = {
     "workers": "spotline.topology.workers",
+    "start_workers": "spotline.topology.start_workers",
     "stages": "spotline.topology.stages",
     "steps": "spotline.training.steps",
     "seed": "spotline.training.seed",
@@ -47,6 +48,12 @@ def add_run_flags(parser: argparse.ArgumentParser, *, with_workers: bool) -> Non
     if with_workers:
         parser.add_argument(
             "--workers", type=int, help="worker processes to start (a multiple of --stages)"
+        )
+        parser.add_argument(
+            "--start-workers",
+            type=int,
+            help="start training with this many (default: --workers); a coordinator's later "
+            "machines join at step boundaries up to --workers",
         )
     parser.add_argument("--stages", type=int, help="pipeline stages (logical)")
     parser.add_argument("--steps", type=int, help="optimizer steps to train")

@@ -261,6 +261,26 @@ def test_an_agent_without_a_coordinator_says_so_in_one_line(tmp_path) -> None:
     assert err.startswith(f"spotline agent m4: cannot reach the coordinator at 127.0.0.1:{port}")
 
 
+def test_an_agent_whose_registration_nobody_answers_says_so_not_that_its_token_is_wrong(
+    tmp_path,
+) -> None:
+    # The store is up and takes the registration, but no coordinator reads it (one busy or
+    # stopped mid-run): the cause is the silence, not the token (it once said the token).
+    server = _server()
+    agent = _agent(
+        server.port, "m6", tmp_path / "logs", "--lost-after", "1",
+        "--token-file", _token_file(tmp_path),
+    )  # fmt: skip
+    _, err = agent.communicate(timeout=60)
+    assert agent.returncode == 3
+    (line,) = err.strip().splitlines()
+    assert line.startswith(
+        f"spotline agent m6: the coordinator at 127.0.0.1:{server.port} took this machine's "
+        "registration but did not answer it within 1 s"
+    ), line
+    assert "token" not in line
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

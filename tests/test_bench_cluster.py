@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from spotline.launch.bench import cluster, command
+from spotline.launch.bench import cluster, command, machines
 
 
 def test_command_line_defaults_and_flags() -> None:
@@ -49,7 +49,7 @@ def test_bad_input_is_one_line_and_exit_2_before_anything_starts(
 
 def test_log_watch_keeps_complete_lines_with_the_time_first_seen(tmp_path: Path) -> None:
     path = tmp_path / "err"
-    watch = cluster.LogWatch(path)
+    watch = machines.LogWatch(path)
     watch.poll()  # not there yet: nothing
     path.write_text("spotline: step 1/8 loss 4\nspotline: [  1.00s] recov")
     watch.poll()
@@ -100,3 +100,92 @@ def test_report_medians_targets_and_table() -> None:
     assert "link-down - heartbeat timeout (5 s): 0.90 s (target <= 1 s: met)" in table
     assert "| gloo batch_isend_irecv | 640 | 0.100 |" in table
     assert "gloo / tcp rate: 0.50x" in table
+
+
+# ------------------------------------------------------------------ spotline bench cluster-replay
+
+
+def test_replay_command_line_defaults() -> None:
+    args = command.build_parser().parse_args(["cluster-replay"])
+    assert (args.machines, args.time_scale, args.checkpoint_interval) == (4, 30.0, 10)
+    assert args.trace.endswith("p3-trace.csv") and args.calibration is None
+    settings = command.settings_from_args(args)
+    # One long replay, not three short timed rounds.
+    assert (settings.steps, settings.repeats) == (command.REPLAY_DEFAULT_STEPS, 1)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--machines", "1"], "--machines 1"),
+        (["--machines", "13"], "at most 12"),
+        (["--time-scale", "0"], "--time-scale 0"),
+        (["--checkpoint-interval", "-1"], "--checkpoint-interval -1"),
+        (["--trace", "no-such-trace.csv"], "no-such-trace.csv"),
+        (["--calibration", "no-such-table.json"], "no-such-table.json"),
+    ],
+)
+def test_replay_bad_input_is_one_line_and_exit_2_before_anything_starts(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert command.main(["cluster-replay", "--output", str(tmp_path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("spotline: error: ") and message in err, err
+    assert err.count("\n") == 1
+    assert not list(tmp_path.iterdir())
+
+
+def test_machine_actions_are_the_trace_node_by_node() -> None:
+    from spotline.plan.traces import Trace, TraceEvent
+
+    ev = TraceEvent
+    wall = Trace(
+        (
+            ev(0.0, "add", "a"),
+            ev(0.0, "add", "b"),
+            ev(3.0, "add", "c"),
+            ev(5.0, "add", "d"),  # listed before b's removal at the same instant
+            ev(5.0, "remove", "b"),
+            ev(7.0, "remove", "a"),
+            ev(9.0, "add", "a"),  # a third life of a: another new machine
+        ),
+        10.0,
+        "toy",
+    )
+    initial, actions = replay_machine_actions(wall)
+    assert initial == ("a#1", "b#1")
+    assert [(a.t_s, a.kind, a.node) for a in actions] == [
+        (3.0, "boot", "c#1"),
+        (5.0, "kill", "b#1"),
+        (5.0, "boot", "d#1"),
+        (7.0, "kill", "a#1"),
+        (9.0, "boot", "a#2"),
+    ]
+
+
+def replay_machine_actions(wall: Any) -> Any:
+    from spotline.launch.bench import cluster_replay
+
+    return cluster_replay.machine_actions(wall)
+
+
+def test_machine_actions_of_a_shipped_trace_keep_every_machine_once_alive() -> None:
+    # The real trace the validation replays: every kill is of a machine booted before it
+    # and not yet killed, and no more machines live at once than the cap.
+    from spotline.launch.bench import cluster_replay
+    from spotline.plan.traces import load_trace
+    from spotline.sim.validate import wall_clock_trace
+
+    wall = wall_clock_trace(load_trace(command.DEFAULT_TRACE), max_workers=4, time_scale=30)
+    initial, actions = cluster_replay.machine_actions(wall)
+    live = set(initial)
+    assert 1 <= len(live) <= 4
+    for action in actions:
+        if action.kind == "boot":
+            assert action.node not in live
+            live.add(action.node)
+        else:
+            live.remove(action.node)
+        assert len(live) <= 4
+    assert [a.t_s for a in actions] == sorted(a.t_s for a in actions)
+    assert sum(a.kind == "kill" for a in actions) > 10

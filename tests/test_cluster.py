@@ -432,3 +432,45 @@ def test_the_tcp_coordinator_killed_stops_every_machine_then_the_job_resumes_fro
     assert summary["losses"] == expected["losses"]
     for agent in agents:
         assert agent.wait(timeout=120) == 0, agent.communicate()[1]
+
+
+def test_a_job_started_on_fewer_machines_loses_them_all_and_restores_on_a_new_one(
+    netns_cluster, baseline, tmp_path: Path
+) -> None:
+    """``--workers 4 --start-workers 2``: the job starts on 2 machines x 1 slot with the math
+    of 2 pipelines. Both machines are SIGKILLed whole at once (a spot batch): no survivor
+    holds any stage, and no worker is scheduled to come (the coordinator has no trace), yet
+    on a cluster a new machine may boot at any time: the coordinator says it waits for one,
+    one boots, and the job restores the last checkpoint on it and ends with the undisturbed
+    run's hash and every step's loss (the logical topology is --workers', whatever ran it)."""
+    config = {**CONFIG, "spotline": {**CONFIG["spotline"], "checkpoints": {"interval_steps": 10}}}
+    cfg = write_config(tmp_path / "c.json", config)
+    coordinator_host, *hosts = netns_cluster(4)
+    out = tmp_path / "out"
+    coordinator, err, join = _coordinator(
+        coordinator_host, cfg, out, (*TOPOLOGY, "--start-workers", "2")
+    )
+    live = [coordinator]
+    agents = [_agent(host, join, f"m{i}", out, *_token(out)) for i, host in enumerate(hosts[:2], 1)]
+    deadline = time.monotonic() + 600  # a bound on the test, not a timing claim
+    while latest_complete(out / "checkpoints") is None:  # the step-10 checkpoint committed
+        assert coordinator.poll() is None and time.monotonic() < deadline, err.read_text()
+        time.sleep(0.1)
+    for host in hosts[:2]:
+        assert host.kill_everything() > 0
+    _wait_for(err, r"too few to train: waiting for machines to join", live, 300)
+    newcomer = _agent(hosts[2], join, "m3", out, *_token(out))
+    assert coordinator.wait(timeout=600) == 0, err.read_text()[-3000:]
+    summary = read_summary(out)
+    expected = baseline.result()
+    assert summary["param_sha256"] == expected["param_sha256"]
+    assert summary["losses"] == expected["losses"]
+    assert summary["checkpoint_fallbacks"] == 1
+    assert (summary["logical_workers"], summary["workers"]) == (2, 4)
+    start = next(e for e in summary["events"] if e["kind"] == "start")
+    assert start["workers"] == 2
+    lost = sorted(e["machine"] for e in summary["events"] if e["kind"] == "machine-lost")
+    assert lost == ["m1", "m2"]
+    assert newcomer.wait(timeout=120) == 0, newcomer.communicate()[1]
+    for agent in agents:
+        agent.wait(timeout=10)  # killed with their machines: reaped

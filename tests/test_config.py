@@ -49,6 +49,14 @@ def test_default_file_equals_builtin_default() -> None:
             "--workers 3 is not divisible by --stages 2",
         ),
         (
+            {"spotline": {"topology": {"workers": 4, "start_workers": 5}}},
+            "--start-workers 5 is more than --workers 4",
+        ),
+        (
+            {"spotline": {"topology": {"start_workers": 0}}},
+            "'spotline.topology.start_workers' is 0; expected a positive integer",
+        ),
+        (
             {"spotline": {"training": {"steps": 0}}},
             "'spotline.training.steps' is 0; expected a positive integer",
         ),
@@ -117,3 +125,19 @@ def test_recoverable_deepspeed_keys_are_accepted() -> None:
         parse_config({"scheduler": {"type": name, "params": {}}})
     parse_config({"fp16": {"enabled": False}, "zero_optimization": {"stage": 0}})
     parse_config({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}})
+
+
+def test_a_run_starts_with_start_workers_and_keeps_the_logical_topology_of_workers() -> None:
+    from spotline.launch.control.faults import FaultDelivery
+
+    def initial(overrides: dict[str, object]) -> tuple[int, int]:
+        cfg = with_overrides(load_config(None), overrides)
+        # What it reads to count the starting workers is the config alone (no trace).
+        faults = FaultDelivery(cfg, None, None, None, None)  # type: ignore[arg-type]
+        return faults.initial_workers(), cfg.num_pipelines
+
+    assert initial({"spotline.topology.workers": 4}) == (4, 2)
+    assert initial({"spotline.topology.workers": 4, "spotline.topology.start_workers": 2}) == (2, 2)
+    # A replayed trace's first nodes decide instead.
+    trace = {"spotline.recovery.trace": "integration/assets/traces/p3-trace.csv"}
+    assert initial({**trace, "spotline.topology.start_workers": 1})[0] == 2

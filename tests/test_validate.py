@@ -16,7 +16,7 @@ from conftest import run_spotline, small_config, write_config
 
 from spotline.plan.traces import load_trace
 from spotline.sim.calibration import load_calibration
-from spotline.sim.validate import predict_replay, wall_clock_trace
+from spotline.sim.validate import predict_cluster_replay, predict_replay, wall_clock_trace
 
 DATA = Path(__file__).parent / "data" / "replay-validation"
 
@@ -150,3 +150,38 @@ def test_replay_record_takes_what_a_prediction_needs_from_a_finished_run() -> No
         replay_record(summary, {"spotline": {"recovery": {**recovery, "trace": None}}})
     # The recorded run in tests/data was made by this function.
     assert set(recorded()) >= set(record)
+
+
+CLUSTER = DATA / "cluster"
+
+
+def test_the_simulator_predicts_a_recorded_namespace_cluster_replay_within_15_percent() -> None:
+    # tests/data/replay-validation/cluster: `spotline bench cluster-replay` on a 2-core
+    # machine (the command is in replay.json): p3-trace.csv scaled to 4 machines x 1 slot,
+    # 30x, each trace node a machine killed whole or booted cold, and the cluster's own
+    # calibration (step times and machine boots measured on the same namespaces, the rest
+    # from `spotline calibrate`). The simulator, given only that table and the replay's
+    # settings and window, must predict the measured goodput within 15%.
+    run = json.loads((CLUSTER / "replay.json").read_text())
+    prediction = predict_cluster_replay(
+        load_trace(DATA / run["trace"]),
+        load_calibration(CLUSTER / "calibration-cluster.json"),
+        model="local",
+        num_workers=run["workers"],
+        machines=run["machines"],
+        time_scale=run["time_scale"],
+        window_s=run["window_s"],
+        checkpoint_interval_steps=run["checkpoint_interval_steps"],
+    )
+    measured = run["goodput_samples_per_s"]
+    error = prediction.goodput_samples_per_s / measured - 1
+    assert abs(error) <= 0.15, (prediction.goodput_samples_per_s, measured, prediction.result)
+    # The simulated run met the same kinds of events: machines lost, and a fatal loss (the
+    # trace takes all four machines within 8 s) restored from the checkpoint.
+    assert prediction.result.num_preemptions > 0 and run["machines_killed"] > 0
+    assert (prediction.result.num_fatal_failures > 0) == (run["checkpoint_fallbacks"] > 0)
+    # It is the runtime's policy that was predicted, on the recorded run's machine lives.
+    assert prediction.result.policy == "spotline"
+    assert run["machines_booted"] == run["start_workers"] + sum(
+        a["kind"] == "boot" for a in run["actions_played"]
+    )

@@ -15,6 +15,11 @@ step; the prediction is the samples the simulator commits over the same training
 divided by its length. The replay's first workers are ready when its clock starts; later
 arrivals take one of the ``recovery.warm_workers`` processes started ahead (ready once it
 has started) or start cold (``node_ready_s``), as the local launcher does.
+
+:func:`predict_cluster_replay` does the same for ``spotline bench cluster-replay``, the
+trace played machine by machine on a namespace cluster (each node a machine of one slot,
+killed whole, arrivals booted cold), with the runtime's own policy (``spotline``) and a
+calibration whose step times and ``node_ready_s`` were measured on that cluster.
 """
 
 from __future__ import annotations
@@ -24,7 +29,13 @@ from typing import Any
 
 from spotline.plan.traces import Trace, TraceEvent, scale_trace
 from spotline.sim.calibration import Calibration
-from spotline.sim.engine import PolicyResult, SimConfig, membership_batches, simulate
+from spotline.sim.engine import (
+    PolicyName,
+    PolicyResult,
+    SimConfig,
+    membership_batches,
+    simulate,
+)
 
 
 @dataclass(frozen=True)
@@ -64,13 +75,71 @@ def predict_replay(
 ) -> ReplayPrediction:
     """The goodput the simulator predicts for a local replay that trained for
     ``train_wall_s`` seconds on ``num_workers`` configured workers (``stages x pipelines``)."""
-    model_cal = calibration.model(model)
     wall = wall_clock_trace(trace, max_workers=max_workers, time_scale=time_scale)
     # The local clock starts with the first step; the simulator's first start pays a
     # rendezvous before it. Simulate that much longer and count the same training window.
     horizon = calibration.fatal_rendezvous_s + train_wall_s
-    events = tuple(e for e in wall.events if e.t_s <= horizon)
-    window = Trace(events, horizon, wall.source)
+    result = _simulate_window(
+        wall,
+        horizon,
+        calibration,
+        model=model,
+        num_workers=num_workers,
+        checkpoint_interval_steps=checkpoint_interval_steps,
+        policy="spotline-rigid",
+        warm_workers=warm_workers,
+    )
+    return ReplayPrediction(result.committed_samples / train_wall_s, train_wall_s, result)
+
+
+def predict_cluster_replay(
+    trace: Trace,
+    calibration: Calibration,
+    *,
+    model: str,
+    num_workers: int,
+    machines: int,
+    time_scale: float,
+    window_s: float,
+    checkpoint_interval_steps: int,
+) -> ReplayPrediction:
+    """The goodput the simulator predicts for ``spotline bench cluster-replay``: ``trace``
+    scaled to ``machines`` one-slot machines and played ``time_scale`` times faster, machine
+    by machine (each trace node is one machine, its removal kills the machine whole, an
+    arrival boots a new one that is ready ``node_ready_s`` later: no warm pool), over the
+    ``window_s`` seconds from when the first instant's machines had all joined to the last
+    step's commit. The policy is the runtime's (``spotline``: elastic, exposure
+    checkpoints); ``num_workers`` is the job's ``--workers`` (its logical topology)."""
+    wall = wall_clock_trace(trace, max_workers=machines, time_scale=time_scale)
+    result = _simulate_window(
+        wall,
+        window_s,
+        calibration,
+        model=model,
+        num_workers=num_workers,
+        checkpoint_interval_steps=checkpoint_interval_steps,
+        policy="spotline",
+        warm_workers=0,
+    )
+    return ReplayPrediction(result.committed_samples / window_s, window_s, result)
+
+
+def _simulate_window(
+    wall: Trace,
+    horizon_s: float,
+    calibration: Calibration,
+    *,
+    model: str,
+    num_workers: int,
+    checkpoint_interval_steps: int,
+    policy: PolicyName,
+    warm_workers: int,
+) -> PolicyResult:
+    """``policy`` on the wall-clock trace ``wall`` cut at ``horizon_s``, its first instant's
+    nodes ready at once."""
+    model_cal = calibration.model(model)
+    events = tuple(e for e in wall.events if e.t_s <= horizon_s)
+    window = Trace(events, horizon_s, wall.source)
     step_s = model_cal.step_time_s(num_workers // model_cal.num_stages, False)
     config = SimConfig(
         calibration,
@@ -81,8 +150,7 @@ def predict_replay(
     batches = membership_batches(
         window, calibration.node_ready_s, warm_pool=warm_workers, initial_ready=True
     )
-    result = simulate(window, "spotline-rigid", config, batches=batches)
-    return ReplayPrediction(result.committed_samples / train_wall_s, train_wall_s, result)
+    return simulate(window, policy, config, batches=batches)
 
 
 def replay_record(summary: dict[str, Any], resolved_config: dict[str, Any]) -> dict[str, Any]:

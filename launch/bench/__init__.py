@@ -4,7 +4,7 @@
   one module per benchmark: :mod:`~spotline.launch.bench.foundation`,
   :mod:`~spotline.launch.bench.redundancy`, :mod:`~spotline.launch.bench.recovery`,
   :mod:`~spotline.launch.bench.reduce`, :mod:`~spotline.launch.bench.easyscale`,
-  :mod:`~spotline.launch.bench.cluster`.
+  :mod:`~spotline.launch.bench.cluster`, :mod:`~spotline.launch.bench.cluster_replay`.
 - :mod:`~spotline.launch.bench.jobs`: what they and ``spotline calibrate`` share: settings,
   jobs started as subprocesses, interleaved rounds, medians, exit codes. It imports no
   benchmark, so no benchmark imports another's helpers through a cycle.
@@ -15,7 +15,9 @@
   :mod:`~spotline.launch.bench.reduce_worker` (for ``reduce`` and ``easyscale``),
   :mod:`~spotline.launch.bench.transfer_worker` (for ``cluster``: one per namespace machine).
 - :mod:`~spotline.launch.bench.netns`: machines as network namespaces on a private bridge
-  (root only), for ``cluster`` and, through ``tests/netns.py``, the cluster tests.
+  (root only), for ``cluster``, ``cluster-replay`` and, through ``tests/netns.py``, the
+  cluster tests; :mod:`~spotline.launch.bench.machines`: Spotline's coordinator and agents
+  started in them, and the log watch that follows the coordinator.
 - :mod:`~spotline.launch.bench.sim_sweep`: the simulator's timed preemption-rate sweep
   (``python -m spotline.launch.bench.sim_sweep``), pure Python.
 

@@ -46,7 +46,6 @@ from spotline.errors import UserError
 from spotline.launch.bench.jobs import (
     BenchSettings,
     RunFailed,
-    child_env,
     interleaved,
     machine_info,
     median,
@@ -54,88 +53,24 @@ from spotline.launch.bench.jobs import (
     resolve_base_config,
     write_config,
 )
+from spotline.launch.bench.machines import (
+    LogWatch,
+    namespace_machines,
+    popen_in,
+    spotline_argv,
+    start_agent,
+    start_coordinator,
+    worker_pid,
+)
 
 VARIANTS = ("machine-kill", "link-down", "single-machine")
 WORKERS, STAGES = 4, 2
 TOPOLOGY = ("--workers", str(WORKERS), "--stages", str(STAGES))
-WATCH_S = 0.005  # how often the coordinator's stderr is read: the timing resolution
 RUN_LIMIT_S = 600.0  # a bound on one run (a hang fails the bench), not a timing claim
 STORE_PORT, TCP_PORT = 29500, 29501  # per namespace: no clash with anything outside it
-JOIN = re.compile(r"--join (\S+:\d+)")
 # Targets (issue): a machine kill recovers at most this much slower than the one-machine
 # takeover; a silent loss at most this much after the heartbeat timeout.
 TARGET_MARGIN_S = 1.0
-
-
-class LogWatch:
-    """A file another process appends to, read as it grows; each complete line is kept with
-    the time (this process's monotonic clock) it was first seen."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.lines: list[tuple[float, str]] = []
-        self._offset = 0
-        self._partial = ""
-
-    def poll(self) -> None:
-        now = time.monotonic()
-        try:
-            with open(self.path, errors="replace") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-                self._offset = f.tell()
-        except FileNotFoundError:
-            return
-        *complete, self._partial = (self._partial + chunk).split("\n")
-        self.lines += [(now, line) for line in complete]
-
-    def first(self, pattern: str, after: float = float("-inf")) -> tuple[float, str] | None:
-        """The first line matching ``pattern`` seen at or after ``after``."""
-        regex = re.compile(pattern)
-        return next(((t, ln) for t, ln in self.lines if t >= after and regex.search(ln)), None)
-
-    def wait(
-        self, pattern: str, procs: Sequence[subprocess.Popen[Any]], limit_s: float
-    ) -> tuple[float, str]:
-        deadline = time.monotonic() + limit_s
-        while True:
-            self.poll()
-            found = self.first(pattern)
-            if found:
-                return found
-            tail = "\n".join(ln for _, ln in self.lines[-30:])
-            if any(p.poll() is not None for p in procs):
-                raise RunFailed(f"exited before {pattern!r}; {self.path} ends:\n{tail}", 1)
-            if time.monotonic() > deadline:
-                raise RunFailed(f"no {pattern!r} in {limit_s:g} s; {self.path} ends:\n{tail}", 1)
-            time.sleep(WATCH_S)
-
-
-def worker_pid(log: Path) -> int | None:
-    """The process whose stdout is ``log``: the worker an agent forked with that log (forked
-    workers keep the agent's command line, so the log is what names them)."""
-    target = str(log.resolve())
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            if os.readlink(f"/proc/{entry}/fd/1") == target:
-                return int(entry)
-        except OSError:  # gone, or a kernel thread
-            continue
-    return None
-
-
-def _spotline(*args: str) -> list[str]:
-    return [sys.executable, "-m", "spotline.launch.cli", *args]
-
-
-def _popen(machine: Any, argv: list[str], err: Path) -> subprocess.Popen[bytes]:
-    with open(err, "wb") as err_file:
-        proc: subprocess.Popen[bytes] = machine.popen(
-            argv, env=child_env(), stdout=subprocess.DEVNULL, stderr=err_file
-        )
-    return proc
 
 
 def _find_victim(logs: Sequence[Path], victim: str, procs: Sequence[subprocess.Popen[Any]]) -> int:
@@ -154,18 +89,6 @@ def _find_victim(logs: Sequence[Path], victim: str, procs: Sequence[subprocess.P
     raise RunFailed(f"worker {victim} is not running (no process writes {victim}.log)", 1)
 
 
-def _machines(stack: ExitStack, n: int) -> list[Any]:
-    """``n`` namespace machines, removed when ``stack`` closes (UserError where the kernel
-    or permissions refuse)."""
-    from spotline.launch.bench import netns
-
-    try:
-        machines: list[Any] = stack.enter_context(netns.cluster(n))
-    except netns.NetnsUnavailable as exc:
-        raise UserError(f"bench cluster: {exc}") from None
-    return machines
-
-
 def run_loss(
     variant: str, config: Path, run_dir: Path, *, victim: str, kill_after: int
 ) -> dict[str, Any]:
@@ -174,50 +97,27 @@ def run_loss(
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "out"
     err = run_dir / "coordinator.err"
-    watch = LogWatch(err)
     machines = 1 if variant == "single-machine" else 1 + WORKERS
     with ExitStack() as stack:
-        hosts = _machines(stack, machines)
+        hosts = namespace_machines(stack, machines)
         if variant == "single-machine":
-            coordinator = _popen(
-                hosts[0], _spotline("train", "--config", str(config), "--output", str(out),
-                                    *TOPOLOGY), err,
+            watch = LogWatch(err)
+            coordinator = popen_in(
+                hosts[0], spotline_argv("train", "--config", str(config), "--output", str(out),
+                                        *TOPOLOGY), err,
             )  # fmt: skip
             procs: list[subprocess.Popen[Any]] = [coordinator]
             logs = [out / "logs"]
             machine_of = [hosts[0]]
         else:
             head, *agents_at = hosts
-            coordinator = _popen(
-                head, _spotline("coordinator", "--config", str(config), "--output", str(out),
-                                "--listen", f"{head.address}:0", *TOPOLOGY), err,
-            )  # fmt: skip
-            join = JOIN.search(watch.wait(r"--join \S+:\d+", [coordinator], 300)[1])
-            assert join is not None
+            coordinator, watch, join = start_coordinator(head, config, out, err, TOPOLOGY)
             logs = [run_dir / "agents" / f"m{i}" for i in range(1, len(agents_at) + 1)]
             procs = [coordinator] + [
-                _popen(
-                    host,
-                    _spotline(
-                        "agent",
-                        "--join",
-                        join.group(1),
-                        "--slots",
-                        "1",
-                        "--name",
-                        f"m{i}",
-                        "--iface",
-                        host.iface,
-                        "--logs",
-                        str(logs[i - 1]),
-                        # The coordinator wrote the job's token there before printing --join.
-                        "--token-file",
-                        str(out / "job-token"),
-                    ),
-                    run_dir / f"agent-m{i}.err",
-                )  # fmt: skip
+                start_agent(host, join, f"m{i}", logs[i - 1], out / "job-token",
+                            run_dir / f"agent-m{i}.err")
                 for i, host in enumerate(agents_at, start=1)
-            ]
+            ]  # fmt: skip
             machine_of = agents_at
         watch.wait(rf"spotline: step {kill_after}/", procs, RUN_LIMIT_S)
         where = _find_victim(logs, victim, procs)
@@ -263,13 +163,13 @@ def run_transfer(run_dir: Path, nbytes: int, repeats: int) -> dict[str, Any]:
     result = run_dir / "transfer.json"
     result.unlink(missing_ok=True)
     with ExitStack() as stack:
-        sender, receiver = _machines(stack, 2)
+        sender, receiver = namespace_machines(stack, 2)
         common = ["--master", sender.address, "--port", str(STORE_PORT), "--peer",
                   receiver.address, "--tcp-port", str(TCP_PORT), "--bytes", str(nbytes),
                   "--repeats", str(repeats)]  # fmt: skip
         module = [sys.executable, "-m", "spotline.launch.bench.transfer_worker"]
         procs = [
-            _popen(
+            popen_in(
                 machine,
                 [
                     *module,

@@ -6,6 +6,8 @@
     spotline bench reduce [--elements 1000000] [--ranks 2] [--logical-workers 4]
     spotline bench easyscale [--workers 2]
     spotline bench cluster [--steps 8] [--repeats 3] [--victim w1] [--kill-after 2]
+    spotline bench cluster-replay [--trace FILE] [--machines 4] [--time-scale 30]
+                                  [--steps 200] [--repeats 1] [--calibration FILE]
 
 Each subcommand runs its variants in one invocation, interleaved (A, B, A, B, ... for
 ``--repeats`` rounds) so that machine noise (other jobs on a shared CPU, thermal drift)
@@ -27,6 +29,11 @@ from typing import NoReturn
 
 from spotline.errors import UserError
 from spotline.launch.bench.cluster import bench_cluster, format_cluster
+from spotline.launch.bench.cluster_replay import (
+    DEFAULT_TRACE,
+    bench_cluster_replay,
+    format_cluster_replay,
+)
 from spotline.launch.bench.easyscale import bench_easyscale, format_easyscale
 from spotline.launch.bench.foundation import bench_foundation, format_foundation
 from spotline.launch.bench.jobs import BenchSettings, run_guarded
@@ -42,6 +49,8 @@ from spotline.launch.bench.redundancy import (
 DEFAULT_STEPS = 30
 # The cluster bench times a loss, not steady steps: a few steps before and after it.
 CLUSTER_DEFAULT_STEPS = 8
+# A replay runs long enough to meet a trace's preemptions, once (it is not a timing of steps).
+REPLAY_DEFAULT_STEPS, REPLAY_DEFAULT_REPEATS = 200, 1
 DEFAULT_REPEATS = 3
 QUICK_STEPS = 6
 QUICK_REPEATS = 1
@@ -79,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="bench",
         required=True,
-        metavar="{foundation,redundancy,recovery,reduce,easyscale,cluster}",
+        metavar="{foundation,redundancy,recovery,reduce,easyscale,cluster,cluster-replay}",
     )
     sub.add_parser(
         "foundation", parents=[common], help="Spotline vs stock DeepSpeed PipelineEngine"
@@ -148,16 +157,41 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument(
         "--transfer-repeats", type=int, default=5, help="transfers per path (default 5)"
     )
+    replay = sub.add_parser(
+        "cluster-replay",
+        parents=[common],
+        help="a spot trace replayed machine by machine on a namespace cluster, against the "
+        "simulator's prediction (needs root)",
+    )
+    replay.add_argument("--trace", default=DEFAULT_TRACE, help="a spot trace (default %(default)s)")
+    replay.add_argument(
+        "--machines", type=int, default=4, help="machines of 1 slot at most (default 4)"
+    )
+    replay.add_argument(
+        "--time-scale", type=float, default=30.0, help="trace seconds per wall second (default 30)"
+    )
+    replay.add_argument(
+        "--checkpoint-interval", type=int, default=10, help="steps between checkpoints (default 10)"
+    )
+    replay.add_argument(
+        "--calibration",
+        help="a table `spotline calibrate` measured on this machine: adds the prediction",
+    )
     return parser
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
-    default_steps = CLUSTER_DEFAULT_STEPS if args.bench == "cluster" else DEFAULT_STEPS
-    steps = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else default_steps)
+    default_steps = {"cluster": CLUSTER_DEFAULT_STEPS, "cluster-replay": REPLAY_DEFAULT_STEPS}
+    default_repeats = REPLAY_DEFAULT_REPEATS if args.bench == "cluster-replay" else DEFAULT_REPEATS
+    steps = (
+        args.steps
+        if args.steps is not None
+        else (QUICK_STEPS if args.quick else default_steps.get(args.bench, DEFAULT_STEPS))
+    )
     repeats = (
         args.repeats
         if args.repeats is not None
-        else (QUICK_REPEATS if args.quick else DEFAULT_REPEATS)
+        else (QUICK_REPEATS if args.quick else default_repeats)
     )
     if steps < 1:
         raise UserError(f"--steps {steps}: use at least 1 step")
@@ -193,6 +227,16 @@ def main(argv: list[str] | None = None) -> int:
                 transfer_repeats=args.transfer_repeats,
             )
             table = format_cluster(report)
+        elif args.bench == "cluster-replay":
+            report = bench_cluster_replay(
+                settings,
+                trace_path=args.trace,
+                machines=args.machines,
+                time_scale=args.time_scale,
+                checkpoint_interval=args.checkpoint_interval,
+                calibration_path=args.calibration,
+            )
+            table = format_cluster_replay(report)
         elif args.bench == "reduce":
             report = bench_reduce(settings, args.elements, args.ranks, args.logical_workers)
             table = format_reduce(report)

@@ -122,8 +122,10 @@ class FaultDelivery:
         return []
 
     def initial_workers(self) -> int:
-        """How many workers the run starts with: the trace's initial nodes, or the config's."""
-        initial = self.trace_initial or self.cfg.num_workers
+        """How many workers the run starts with: the trace's initial nodes, or the config's
+        (``topology.start_workers``, else ``topology.workers``)."""
+        topology = self.cfg.spotline.topology
+        initial = self.trace_initial or topology.start_workers or self.cfg.num_workers
         return min(initial, self.rec.max_workers or self.cfg.num_workers)
 
     def mtbf_s(self) -> float | None:

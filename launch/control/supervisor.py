@@ -287,10 +287,17 @@ class Supervisor:
         """Stop every worker (Ctrl-C or a coordinator error): nothing is left running (a
         worker whose agent does not answer is that agent's to stop: it stops its workers
         when it loses the store)."""
-        for p in self.workers.values():
-            if p.proc.poll() is None:
-                p.proc.send_signal(signal.SIGKILL)
-        for p in self.workers.values():
+        # A worker of a machine lost (or fenced) is skipped: no agent will ever tell how it
+        # ended, and waiting SHUTDOWN_WAIT_S for each of them held a cluster's coordinator
+        # for minutes after a run had lost its machines.
+        running = [
+            p
+            for p in self.workers.values()
+            if p.proc.poll() is None and p.proc.machine not in self.machines.lost
+        ]
+        for p in running:
+            p.proc.send_signal(signal.SIGKILL)
+        for p in running:
             try:
                 p.proc.wait(timeout=SHUTDOWN_WAIT_S)
             except subprocess.TimeoutExpired:
