@@ -189,3 +189,28 @@ def test_machine_actions_of_a_shipped_trace_keep_every_machine_once_alive() -> N
         assert len(live) <= 4
     assert [a.t_s for a in actions] == sorted(a.t_s for a in actions)
     assert sum(a.kind == "kill" for a in actions) > 10
+
+
+def test_the_cluster_table_is_the_local_one_with_the_clusters_steps_and_boots() -> None:
+    import json
+
+    from spotline.launch.bench import cluster_replay
+
+    local = json.loads(
+        (Path(__file__).parent / "data" / "replay-validation" / "calibration.json").read_text()
+    )
+    rows = [
+        {"num_stages": 2, "num_pipelines": p, "degraded": False, "step_time_s": t}
+        for p, t in ((1, 0.25), (2, 0.27))
+    ]
+    table = cluster_replay.cluster_table(local, rows, [5.0, 9.0, 6.0], 4)
+    model = table["models"]["local"]
+    assert model["step_times"][:2] == rows
+    (degraded,) = model["step_times"][2:]
+    assert degraded["degraded"] and degraded["num_pipelines"] == 1
+    assert degraded["step_time_s"] == round(0.25 * local["degraded_slowdown"], 5)
+    assert table["node_ready_s"] == 6.0  # the median boot
+    # What a generation change, a transfer or a restore costs stays the local table's.
+    for key in ("reconfigure_s", "state_transfer_s", "fatal_rendezvous_s", "degraded_slowdown"):
+        assert table[key] == local[key]
+    assert local["models"]["local"]["step_times"] != model["step_times"]  # not changed in place

@@ -24,13 +24,18 @@ logical workers (so its global batch is the calibration's), lazy redundancy, a c
 every ``--checkpoint-interval`` steps. Measured: the window from the clock's start to the
 last step's commit (the coordinator's ``step N/N`` line, read as it is written), the samples
 it committed (every step exactly once), their ratio. With ``--calibration`` (a table of
-``spotline calibrate`` measured on this machine) the report adds
-:func:`spotline.sim.validate.predict_cluster_replay` over the same window and the error.
+``spotline calibrate`` measured on this machine) the bench first measures what the cluster
+itself costs where it differs from one machine: a machine's boot to its worker joining
+(:func:`cluster_boots`, once) and, before each round, the steady step at each pipeline count
+(:func:`cluster_step_rows`); :func:`cluster_table` puts them into the local table, and the
+report adds :func:`spotline.sim.validate.predict_cluster_replay` over the same window with
+that table (and with the local one alone, for reference) and the errors.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -67,6 +72,7 @@ POLL_S = 0.01  # how often the cloud looks at the clock and the coordinator's st
 # Spare namespaces beyond the trace's peak: a killed machine's namespace is reused only
 # when its processes are gone, and a removal and an arrival can share an instant.
 SPARE_MACHINES = 2
+BOOT_NICE = 19  # a booting machine's CPU priority (see Cloud)
 STEADY_FROM = 5  # a calibration run's steps before this one are its start-up
 CALIBRATION_STEPS = 60
 # The calibration's arrivals: booted this long after the clock starts, while the job trains.
@@ -152,7 +158,14 @@ def check_args(machines: int, time_scale: float, steps: int, checkpoint_interval
 
 
 class Cloud:
-    """The namespace machines and which trace node lives on which; boots and kills them."""
+    """The namespace machines and which trace node lives on which; boots and kills them.
+
+    A real machine boots on its own CPU; these share this host's two cores with the ones
+    that train. So a booting machine runs at the lowest CPU priority (nice 19) until its
+    agent's spawner has imported the training stack (``spawner: ready`` in its log), then
+    at the normal one: its boot takes CPU the training machines leave, not theirs. The
+    calibration's boots are made the same way.
+    """
 
     def __init__(self, hosts: Sequence[Any], run_dir: Path, join: str, token: Path) -> None:
         self.free = list(hosts)
@@ -161,8 +174,9 @@ class Cloud:
         self.booted = 0
         self.killed: list[str] = []
         self.boot_t: dict[str, float] = {}  # machine name -> when its agent was started
+        self.booting: dict[str, Any] = {}  # machine name -> host, still at BOOT_NICE
 
-    def boot(self, node: str) -> None:
+    def boot(self, node: str, *, nice: int = BOOT_NICE) -> None:
         host = next((h for h in self.free if not h.pids()), None)
         if host is None:
             raise RunFailed(f"no free namespace machine to boot {node} on", 1)
@@ -177,11 +191,30 @@ class Cloud:
             self.run_dir / "agents" / name,
             self.token,
             self.run_dir / f"agent-{name}.err",
+            nice=nice,
         )
         self.on[node] = (host, agent, name)
+        if nice != 0:
+            self.booting[name] = host
+
+    def promote_booted(self) -> None:
+        """Every booting machine whose spawner is ready back to the normal CPU priority
+        (each thread of each of its processes: Linux keeps a priority per thread)."""
+        for name, host in list(self.booting.items()):
+            log = self.run_dir / "agents" / name / "spawner.log"
+            if not log.exists() or "spawner: ready" not in log.read_text(errors="replace"):
+                continue
+            del self.booting[name]
+            for pid in host.pids():
+                for task in Path(f"/proc/{pid}/task").glob("*"):
+                    try:
+                        os.setpriority(os.PRIO_PROCESS, int(task.name), 0)
+                    except (ProcessLookupError, PermissionError):
+                        pass  # gone meanwhile
 
     def kill(self, node: str) -> None:
         host, agent, name = self.on.pop(node)
+        self.booting.pop(name, None)
         host.kill_everything()
         agent.wait()
         self.killed.append(name)
@@ -215,7 +248,7 @@ def run_cluster(
         coordinator, watch, join = start_coordinator(head, config, out, err, flags)
         cloud = Cloud(hosts, run_dir, join, out / "job-token")
         for node in initial:
-            cloud.boot(node)
+            cloud.boot(node, nice=0)  # nothing trains yet: at the normal priority
         start = watch.wait(r"machine\(s\) joined with (\d+) of the \1 slots", [coordinator], 600)
         t0 = start[0]
         pending = list(actions)
@@ -233,6 +266,7 @@ def run_cluster(
             now = time.monotonic()
             if now > deadline:
                 raise RunFailed(f"the run did not finish in {limit_s:g} s; see {err}", 1)
+            cloud.promote_booted()
             while pending and pending[0].t_s <= now - t0:
                 action = pending.pop(0)
                 (cloud.boot if action.kind == "boot" else cloud.kill)(action.node)
@@ -273,16 +307,9 @@ def run_cluster(
     }
 
 
-def calibrate_cluster(
-    config: Path, work: Path, local: dict[str, Any], machines: int
-) -> dict[str, Any]:
-    """``local`` (a table of ``spotline calibrate``) with what a cluster of this host's
-    namespace machines costs in its place: the steady step time at each pipeline count up to
-    ``machines // STAGES`` (a job on 2P machines, no loss), and ``node_ready_s``, a machine's
-    boot to its worker joining the job (the median of three machines booted while a job
-    trains). The generation-change, transfer and restore figures stay the local ones."""
-    table: dict[str, Any] = json.loads(json.dumps(local))
-    model = table["models"]["local"]
+def cluster_step_rows(config: Path, work: Path, machines: int) -> list[dict[str, Any]]:
+    """The steady step time at each pipeline count up to ``machines // STAGES``: a job on
+    ``2P`` namespace machines with no loss, its median step; calibration table rows."""
     rows: list[dict[str, Any]] = []
     for pipelines in range(1, machines // STAGES + 1):
         progress(f"cluster-replay calibration: {STAGES} stages x {pipelines} pipelines")
@@ -301,6 +328,12 @@ def calibrate_cluster(
             {"num_stages": STAGES, "num_pipelines": pipelines, "degraded": False,
              "step_time_s": round(run["median_step_s"], 5)}
         )  # fmt: skip
+    return rows
+
+
+def cluster_boots(config: Path, work: Path, machines: int) -> list[float]:
+    """How long a machine takes from its boot to its worker joining the job: three machines
+    booted one after another while a job trains."""
     progress("cluster-replay calibration: three machines booted while a job trains")
     arrivals = run_cluster(
         config,
@@ -313,8 +346,20 @@ def calibrate_cluster(
         limit_s=600.0,
     )
     boots = [b["worker_joined_s"] for b in arrivals["boots"].values() if b["boot_t_s"] >= 0]
-    if None in boots:
+    if None in boots or not boots:
         raise RunFailed("a machine booted for the calibration never joined; see its logs", 1)
+    return [float(b) for b in boots if b is not None]
+
+
+def cluster_table(
+    local: dict[str, Any], rows: list[dict[str, Any]], boots: list[float], machines: int
+) -> dict[str, Any]:
+    """``local`` (a table of ``spotline calibrate``) with what the namespace cluster costs in
+    its place: its steady step ``rows`` (the degraded row scaled from the first by the local
+    slowdown) and ``node_ready_s``, the median of the machine ``boots``. The
+    generation-change, transfer and restore figures stay the local ones. Pure."""
+    table: dict[str, Any] = json.loads(json.dumps(local))
+    model = table["models"]["local"]
     degraded = [r for r in model["step_times"] if r["degraded"]]
     model["step_times"] = rows + [
         {**r, "step_time_s": round(rows[0]["step_time_s"] * table["degraded_slowdown"], 5)}
@@ -371,16 +416,19 @@ def bench_cluster_replay(
     base = resolve_base_config(settings, overrides)
     work = settings.output / "cluster-replay"
     config = write_config(base, work / "config.json")
-    tables = {}
-    if local is not None:
-        cluster_table = calibrate_cluster(config, work, local_table, machines)
-        cluster_path = work / "calibration-cluster.json"
-        write_json_atomic(cluster_path, cluster_table)
-        tables = {"cluster": load_calibration(cluster_path), "local": local}
     wall = wall_clock_trace(trace, max_workers=machines, time_scale=time_scale)
     initial, actions = machine_actions(wall)
+    boots = cluster_boots(config, work, machines) if local is not None else []
     runs = []
     for round_idx in range(settings.repeats):
+        tables = {}
+        if local is not None:
+            # This host's speed drifts between runs (a shared 2-core VM): each round's
+            # prediction takes the steady steps measured just before it.
+            rows = cluster_step_rows(config, work / f"round-{round_idx}", machines)
+            path = work / f"calibration-cluster-{round_idx}.json"
+            write_json_atomic(path, cluster_table(local_table, rows, boots, machines))
+            tables = {"cluster": load_calibration(path), "local": local}
         progress(f"cluster-replay round {round_idx + 1}/{settings.repeats}")
         run = run_cluster(
             config,
@@ -420,7 +468,11 @@ def bench_cluster_replay(
         "steps": settings.steps,
         "checkpoint_interval_steps": checkpoint_interval,
         "calibration": calibration_path,
-        "cluster_calibration": None if local is None else str(work / "calibration-cluster.json"),
+        "cluster_calibrations": [
+            str(work / f"calibration-cluster-{i}.json") for i in range(settings.repeats)
+        ]
+        if local is not None
+        else [],
         "runs": runs,
         "machine": machine_info(),
     }

@@ -126,12 +126,21 @@ def start_coordinator(
 
 
 def start_agent(
-    host: Any, join: str, name: str, logs: Path, token_file: Path, err: Path
+    host: Any,
+    join: str,
+    name: str,
+    logs: Path,
+    token_file: Path,
+    err: Path,
+    *,
+    nice: int = 0,
 ) -> subprocess.Popen[bytes]:
-    """``spotline agent --slots 1`` named ``name`` on ``host``, bound to its interface."""
+    """``spotline agent --slots 1`` named ``name`` on ``host``, bound to its interface, at
+    CPU priority ``nice`` (``nice`` execs the agent: the Popen's pid stays the agent's)."""
     return popen_in(
         host,
-        spotline_argv("agent", "--join", join, "--slots", "1", "--name", name,
+        ["nice", "-n", str(nice)] * (nice != 0)
+        + spotline_argv("agent", "--join", join, "--slots", "1", "--name", name,
                       "--iface", host.iface, "--logs", str(logs),
                       # The coordinator wrote the job's token there before printing --join.
                       "--token-file", str(token_file)),
