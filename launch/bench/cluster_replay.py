@@ -25,8 +25,9 @@ every ``--checkpoint-interval`` steps. Measured: the window from the clock's sta
 last step's commit (the coordinator's ``step N/N`` line, read as it is written), the samples
 it committed (every step exactly once), their ratio. With ``--calibration`` (a table of
 ``spotline calibrate`` measured on this machine) the bench first measures what the cluster
-itself costs where it differs from one machine: a machine's boot to its worker joining
-(:func:`cluster_boots`, once) and, before each round, the steady step at each pipeline count
+itself costs where it differs from one machine: a machine's boot to its worker joining, a
+recovery from a machine's loss and an arrival's generation change (:func:`cluster_changes`,
+once) and, before each round, the steady step at each pipeline count
 (:func:`cluster_step_rows`); :func:`cluster_table` puts them into the local table, and the
 report adds :func:`spotline.sim.validate.predict_cluster_replay` over the same window with
 that table (and with the local one alone, for reference) and the errors.
@@ -77,6 +78,7 @@ STEADY_FROM = 5  # a calibration run's steps before this one are its start-up
 CALIBRATION_STEPS = 60
 # The calibration's arrivals: booted this long after the clock starts, while the job trains.
 ARRIVALS_AT_S = (3.0, 12.0, 21.0)
+LOSS_AT_S = 32.0  # then the first of them is lost
 ARRIVAL_STEPS = 150
 
 
@@ -295,6 +297,8 @@ def run_cluster(
         "logical_workers": summary["logical_workers"],
         "samples_per_step": samples_per_step * summary["logical_workers"],
         "boots": machine_boots(watch, cloud.boot_t, t0),
+        "recoveries_s": [e["recovery_s"] for e in summary["recovery_events"]],
+        "reconfigurations_s": [e["reconfigure_s"] for e in summary["reconfigurations"]],
         "preemptions": summary["preemptions"],
         "recoveries": summary["recoveries"],
         "checkpoint_fallbacks": summary["checkpoint_fallbacks"],
@@ -331,33 +335,52 @@ def cluster_step_rows(config: Path, work: Path, machines: int) -> list[dict[str,
     return rows
 
 
-def cluster_boots(config: Path, work: Path, machines: int) -> list[float]:
-    """How long a machine takes from its boot to its worker joining the job: three machines
-    booted one after another while a job trains."""
-    progress("cluster-replay calibration: three machines booted while a job trains")
-    arrivals = run_cluster(
+@dataclass(frozen=True)
+class ClusterChanges:
+    """What membership changes cost on the cluster: each booted machine's boot to its
+    worker joining, each recovery from a machine's loss, each generation change that let
+    an arrival in (its state sent to it)."""
+
+    boots_s: tuple[float, ...]
+    recoveries_s: tuple[float, ...]
+    arrival_changes_s: tuple[float, ...]
+
+
+def cluster_changes(config: Path, work: Path, machines: int) -> ClusterChanges:
+    """Three machines booted one after another while a job trains, then one killed whole."""
+    progress("cluster-replay calibration: three machines booted while a job trains, one lost")
+    run = run_cluster(
         config,
-        work / "arrivals",
+        work / "changes",
         initial=["a0#1", "a1#1"],
-        actions=[MachineAction(t, "boot", f"b{i}#1") for i, t in enumerate(ARRIVALS_AT_S)],
+        actions=[
+            *(MachineAction(t, "boot", f"b{i}#1") for i, t in enumerate(ARRIVALS_AT_S)),
+            MachineAction(LOSS_AT_S, "kill", "b0#1"),
+        ],
         workers=machines - machines % STAGES,
         machines=machines,
         steps=ARRIVAL_STEPS,
         limit_s=600.0,
     )
-    boots = [b["worker_joined_s"] for b in arrivals["boots"].values() if b["boot_t_s"] >= 0]
-    if None in boots or not boots:
-        raise RunFailed("a machine booted for the calibration never joined; see its logs", 1)
-    return [float(b) for b in boots if b is not None]
+    boots = [b["worker_joined_s"] for b in run["boots"].values() if b["boot_t_s"] >= 0]
+    if None in boots or not boots or not run["recoveries_s"] or not run["reconfigurations_s"]:
+        raise RunFailed(f"the calibration's arrivals or loss went unseen; see {work}/changes", 1)
+    return ClusterChanges(
+        tuple(float(b) for b in boots if b is not None),
+        tuple(run["recoveries_s"]),
+        tuple(run["reconfigurations_s"]),
+    )
 
 
 def cluster_table(
-    local: dict[str, Any], rows: list[dict[str, Any]], boots: list[float], machines: int
+    local: dict[str, Any], rows: list[dict[str, Any]], changes: ClusterChanges, machines: int
 ) -> dict[str, Any]:
     """``local`` (a table of ``spotline calibrate``) with what the namespace cluster costs in
     its place: its steady step ``rows`` (the degraded row scaled from the first by the local
-    slowdown) and ``node_ready_s``, the median of the machine ``boots``. The
-    generation-change, transfer and restore figures stay the local ones. Pure."""
+    slowdown), ``node_ready_s`` (the median boot), ``reconfigure_s`` and
+    ``fatal_rendezvous_s`` (the median recovery from a machine's loss) and
+    ``state_transfer_s`` (what an arrival's generation change takes beyond that). The
+    checkpoint costs stay the local ones. Pure."""
     table: dict[str, Any] = json.loads(json.dumps(local))
     model = table["models"]["local"]
     degraded = [r for r in model["step_times"] if r["degraded"]]
@@ -365,12 +388,23 @@ def cluster_table(
         {**r, "step_time_s": round(rows[0]["step_time_s"] * table["degraded_slowdown"], 5)}
         for r in degraded
     ]
-    table["node_ready_s"] = round(statistics.median(boots), 4)
-    table["description"] = (
-        f"{local.get('description', 'spotline calibrate')} Step times and node_ready_s "
-        f"measured on {machines} namespace machines x 1 slot by spotline bench cluster-replay."
+    reconfigure = statistics.median(changes.recoveries_s)
+    table["node_ready_s"] = round(statistics.median(changes.boots_s), 4)
+    table["reconfigure_s"] = table["fatal_rendezvous_s"] = round(reconfigure, 4)
+    table["state_transfer_s"] = round(
+        max(0.0, statistics.median(changes.arrival_changes_s) - reconfigure), 4
     )
-    table["cluster"] = {"step_times": rows, "boots_s": boots}
+    table["description"] = (
+        f"{local.get('description', 'spotline calibrate')} Step times, node_ready_s, "
+        f"reconfigure_s and state_transfer_s measured on {machines} namespace machines x 1 "
+        "slot by spotline bench cluster-replay."
+    )
+    table["cluster"] = {
+        "step_times": rows,
+        "boots_s": list(changes.boots_s),
+        "recoveries_s": list(changes.recoveries_s),
+        "arrival_changes_s": list(changes.arrival_changes_s),
+    }
     return table
 
 
@@ -418,16 +452,16 @@ def bench_cluster_replay(
     config = write_config(base, work / "config.json")
     wall = wall_clock_trace(trace, max_workers=machines, time_scale=time_scale)
     initial, actions = machine_actions(wall)
-    boots = cluster_boots(config, work, machines) if local is not None else []
+    changes = cluster_changes(config, work, machines) if local is not None else None
     runs = []
     for round_idx in range(settings.repeats):
         tables = {}
-        if local is not None:
+        if local is not None and changes is not None:
             # This host's speed drifts between runs (a shared 2-core VM): each round's
             # prediction takes the steady steps measured just before it.
             rows = cluster_step_rows(config, work / f"round-{round_idx}", machines)
             path = work / f"calibration-cluster-{round_idx}.json"
-            write_json_atomic(path, cluster_table(local_table, rows, boots, machines))
+            write_json_atomic(path, cluster_table(local_table, rows, changes, machines))
             tables = {"cluster": load_calibration(path), "local": local}
         progress(f"cluster-replay round {round_idx + 1}/{settings.repeats}")
         run = run_cluster(

@@ -27,6 +27,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -165,6 +166,10 @@ def _refused(reason: str) -> NoReturn:
     raise NetnsUnavailable(" ".join(reason.split()))
 
 
+def _exit_on_term(signum: int, frame: object) -> NoReturn:
+    raise SystemExit(128 + signum)
+
+
 @contextmanager
 def cluster(n: int) -> Iterator[list[Machine]]:
     """``n`` machines (namespaces) on one private bridge; everything removed on exit."""
@@ -176,6 +181,11 @@ def cluster(n: int) -> Iterator[list[Machine]]:
     assert len(f"{tag}v{n - 1}") <= 15, tag
     machines: list[Machine] = []
     made: list[tuple[str, str]] = []  # ("netns" | "link", name), in creation order
+    # SIGTERM (a `kill`, a CI's stop) would end the process without the teardown below and
+    # leave the machines' processes running: turn it into an exit that runs it.
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _exit_on_term)
     try:
         proc = _ip("link", "add", bridge, "type", "bridge", check=False)
         if proc.returncode != 0:
@@ -202,6 +212,8 @@ def cluster(n: int) -> Iterator[list[Machine]]:
             _ip("link", "set", "lo", "up", netns=machine.name)
         yield machines
     finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
         for machine in machines:
             machine.reap()
         for kind, name in reversed(made):
