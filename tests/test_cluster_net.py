@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,40 @@ def test_fixture_leaves_nothing_behind_even_when_the_body_raises() -> None:
         raise RuntimeError("body failed")
     assert sleeper.returncode is not None
     assert not [n for n in our_names() if n.startswith(tag)]
+
+
+def test_a_sigterm_to_the_owner_still_removes_everything_it_made(tmp_path: Path) -> None:
+    # A bench killed with SIGTERM (a `kill`, a CI's stop) once left its machines and their
+    # processes running: the teardown ran only on an exception or Ctrl-C.
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces: needs root and `ip`")
+    ready = tmp_path / "ready"
+    owner = subprocess.Popen(
+        [sys.executable, "-c",
+         "import pathlib, sys, time\n"
+         "from spotline.launch.bench.netns import cluster\n"
+         "with cluster(1) as machines:\n"
+         "    sleeper = machines[0].popen(['sleep', '600'])\n"
+         "    pathlib.Path(sys.argv[1]).write_text(f'{machines[0].tag} {sleeper.pid}')\n"
+         "    time.sleep(600)\n",
+         str(ready)],
+        cwd=REPO, env=child_env(),
+    )  # fmt: skip
+    try:
+        for _ in range(600):  # a bound on the test, not a timing claim
+            if ready.exists() and ready.read_text():
+                break
+            assert owner.poll() is None
+            time.sleep(0.1)
+        tag, pid = ready.read_text().split()
+        owner.terminate()
+        assert owner.wait(timeout=60) == 128 + signal.SIGTERM
+    finally:
+        owner.kill()
+        owner.wait()
+    assert not [n for n in our_names() if n.startswith(tag)]
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid), 0)
 
 
 def test_without_root_the_cluster_is_a_skip_with_one_reason_line(
