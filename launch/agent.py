@@ -163,7 +163,7 @@ class Agent:
         deadline = time.monotonic() + limit_s
         while (answer := self.admission()) is None:
             if time.monotonic() > deadline:
-                raise NoAnswer(f"{limit_s:g}")
+                raise NoAnswer
             time.sleep(POLL_S * 5)
         if answer.refused is not None:
             raise Refused(answer.refused)

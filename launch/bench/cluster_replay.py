@@ -173,8 +173,7 @@ class Cloud:
         self.free = list(hosts)
         self.run_dir, self.join, self.token = run_dir, join, token
         self.on: dict[str, tuple[Any, subprocess.Popen[bytes], str]] = {}
-        self.booted = 0
-        self.killed: list[str] = []
+        self.killed = 0
         self.boot_t: dict[str, float] = {}  # machine name -> when its agent was started
         self.booting: dict[str, Any] = {}  # machine name -> host, still at BOOT_NICE
 
@@ -183,8 +182,7 @@ class Cloud:
         if host is None:
             raise RunFailed(f"no free namespace machine to boot {node} on", 1)
         self.free.remove(host)
-        self.booted += 1
-        name = f"m{self.booted}"
+        name = f"m{len(self.boot_t) + 1}"
         self.boot_t[name] = time.monotonic()
         agent = start_agent(
             host,
@@ -219,11 +217,8 @@ class Cloud:
         self.booting.pop(name, None)
         host.kill_everything()
         agent.wait()
-        self.killed.append(name)
+        self.killed += 1
         self.free.append(host)
-
-    def agents(self) -> list[subprocess.Popen[bytes]]:
-        return [agent for _, agent, _ in self.on.values()]
 
 
 def run_cluster(
@@ -289,8 +284,8 @@ def run_cluster(
         "window_s": window_s,
         "samples": samples,
         "goodput_samples_per_s": samples / window_s,
-        "machines_booted": cloud.booted,
-        "machines_killed": len(cloud.killed),
+        "machines_booted": len(cloud.boot_t),
+        "machines_killed": cloud.killed,
         "actions_played": played,
         "workers": workers,
         "start_workers": len(initial),
