@@ -65,6 +65,7 @@ from spotline.protocol import (
     FINAL_HASH_KEY,
     CheckpointWriteError,
     EvalResult,
+    ModelStateBytes,
     Outcome,
     Plan,
     Rebalance,
@@ -350,6 +351,7 @@ class ElasticWorker:
         self.train_end_t = 0.0
         self.redundant_s = 0.0
         self.replica_sync_s = 0.0
+        self.model_state = ModelStateBytes()
         # Speed measurement: seconds per logical worker on this rank since the last rebalance.
         self._lw_seconds = 0.0
         self._lw_count = 0
@@ -545,6 +547,7 @@ class ElasticWorker:
                 else self.seconds_per_logical_worker
             ),
             rebalances=tuple(self.rebalances),
+            model_state=self.model_state,
         )
         report = Report(
             worker=self.wid,
@@ -947,6 +950,7 @@ class ElasticWorker:
         if engine is not None:
             self.redundant_s += engine.redundant_s
             self.replica_sync_s += engine.replica_sync_s
+            self.model_state = self.model_state.peak(engine.model_state)
             if not self.holdings.stages:
                 self.holdings = extract_holdings(engine, self.logical)
                 self._recipe = self._optimizer_recipe(engine)

@@ -29,12 +29,20 @@ workers a process hosts. Works on gloo and NCCL (both reduce int64).
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 BLOCK = 4096
+# Elements converted and all-reduced at a time (a whole number of blocks). Chunks keep every
+# temporary under glibc's 32 MiB mmap threshold, so the allocator reuses its pages instead
+# of faulting in fresh ones for each (a 10M-element int64 temporary cost more in page faults
+# than its arithmetic), and let one chunk's all-reduce run while the next is converted.
+CHUNK = 256 * BLOCK
+# Chunks whose all-reduce may be outstanding at once (a few chunk buffers, reused).
+IN_FLIGHT = 2
 # Blocks whose gradients are all zero get this exponent: any value works, zero stays zero.
 _ZERO_BLOCK_EXPONENT = -126
 
@@ -79,24 +87,36 @@ def _exponents(block_max: torch.Tensor) -> torch.Tensor:
     )
 
 
-def _scaled(flat: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-    """``flat * 2**shift`` per block, in float32.
+def _scaled(
+    flat: torch.Tensor, shift: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``flat * 2**shift`` per block, in float32 (into ``out`` when given).
 
     Multiplying by a power of two only moves the exponent, so it is exact while the result
     stays in range (to fixed point every product is below 2**62). ``2**shift`` itself may
-    not fit float32 (a block of tiny values), so it is applied in two halves that do."""
-    low = torch.div(shift, 2, rounding_mode="floor")
+    not fit float32 (a block of tiny values): then it is applied in two halves that do. One
+    multiplication by ``2**shift`` where it fits gives the same bits as the two halves: the
+    first half is exact there, so both round (if at all) once, at the same value."""
     one = torch.ones(shift.shape, dtype=torch.float32)
-    first, second = torch.ldexp(one, low), torch.ldexp(one, shift - low)
+    # float32's normal powers of two: 2**-126 .. 2**127.
+    if bool(((shift >= -126) & (shift <= 127)).all()):
+        factors: tuple[torch.Tensor, ...] = (torch.ldexp(one, shift),)
+    else:
+        low = torch.div(shift, 2, rounding_mode="floor")
+        factors = (torch.ldexp(one, low), torch.ldexp(one, shift - low))
+    result = torch.empty_like(flat) if out is None else out
     head, tail = _blocks(flat)
-    pieces = []
+    out_head, out_tail = _blocks(result)
     if head.numel():
         rows = head.shape[0]
-        scaled = head * first[:rows, None]
-        pieces.append(scaled.mul_(second[:rows, None]).reshape(-1))
+        torch.mul(head, factors[0][:rows, None], out=out_head)
+        for factor in factors[1:]:
+            out_head.mul_(factor[:rows, None])
     if tail.numel():
-        pieces.append(tail * first[-1] * second[-1])
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+        torch.mul(tail, factors[0][-1], out=out_tail)
+        for factor in factors[1:]:
+            out_tail.mul_(factor[-1])
+    return result
 
 
 def _to_fixed(flat: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -110,6 +130,7 @@ def exact_sum(
     num_logical_workers: int,
     group: dist.ProcessGroup | None = None,
     local: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The exact sum over all logical workers of their gradients.
 
@@ -119,7 +140,9 @@ def exact_sum(
     process group (or with ``group`` None and one process) it reduces locally. Returns a
     tensor of the gradients' shape and dtype, bitwise the same on every process and for
     every grouping of the logical workers onto processes. NonFiniteGradient on every
-    process when any logical worker's gradient is not finite.
+    process when any logical worker's gradient is not finite. ``out``: a flat float32
+    tensor of the gradients' size to write the sum into (a caller's buffer kept across
+    steps; fresh pages for every step's result cost more than the sum).
     """
     if not gradients:
         raise ValueError("a process must host at least one logical worker")
@@ -149,13 +172,34 @@ def exact_sum(
         raise NonFiniteGradient([i for i in range(num_logical_workers) if bad[i]])
     bits = fraction_bits(num_logical_workers)
     shift = bits - exponent.to(torch.int64)  # scale each block by 2**(F - e)
-    total = _to_fixed(flats[0], shift)
-    for flat in flats[1:]:
-        total += _to_fixed(flat, shift)
-    if distributed:
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-    # Back once: the integer sum rounds to float32 once, then the power of two is undone.
-    return _scaled(total.to(torch.float32), -shift).to(dtype).view(shape)
+    result = torch.empty(numel, dtype=torch.float32) if out is None else out
+    assert result.shape == (numel,) and result.dtype == torch.float32, "out: flat float32"
+    pending: deque[tuple[dist.Work | None, int, int, torch.Tensor]] = deque()
+
+    def finish() -> None:
+        work, start, stop, fixed = pending.popleft()
+        if work is not None:
+            work.wait()
+        # Back once: the integer sum rounds to float32 once, then the power of two is undone.
+        chunk_shift = shift[start // BLOCK : (stop + BLOCK - 1) // BLOCK]
+        _scaled(fixed.to(torch.float32), -chunk_shift, out=result[start:stop])
+
+    for start in range(0, numel, CHUNK):
+        stop = min(start + CHUNK, numel)
+        chunk_shift = shift[start // BLOCK : (stop + BLOCK - 1) // BLOCK]
+        fixed = _to_fixed(flats[0][start:stop], chunk_shift)
+        for flat in flats[1:]:
+            fixed += _to_fixed(flat[start:stop], chunk_shift)
+        work = None
+        if distributed:
+            # Summed over the processes while the next chunk is converted.
+            work = dist.all_reduce(fixed, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        pending.append((work, start, stop, fixed))
+        if len(pending) > IN_FLIGHT:
+            finish()
+    while pending:
+        finish()
+    return result.to(dtype).view(shape)
 
 
 def ordered_sum(gradients: Sequence[tuple[int, torch.Tensor]]) -> torch.Tensor:
@@ -177,7 +221,7 @@ class LogicalGradients:
     data-parallel all-reduce: the exact sum over every logical worker of the job, times
     ``1 / num_logical_workers`` (the mean), written back into the parameters' gradients.
     Costs one flat gradient copy per hosted logical worker (DeepSpeed's own all-reduce
-    flattens into buckets too); the model itself exists once.
+    flattens into buckets too), in buffers kept across steps; the model itself exists once.
     """
 
     def __init__(self, params: Sequence[torch.Tensor], num_logical_workers: int) -> None:
@@ -186,6 +230,11 @@ class LogicalGradients:
         self.params = list(params)
         self.num_logical_workers = num_logical_workers
         self.kept: list[tuple[int, torch.Tensor]] = []
+        self.numel = sum(p.numel() for p in self.params)
+        self.dtype = self.params[0].dtype if self.params else torch.float32
+        assert all(p.dtype == self.dtype for p in self.params), "one gradient dtype"
+        self._buffers: list[torch.Tensor] = []
+        self._total: torch.Tensor | None = None
 
     def keep(self, logical_worker: int) -> None:
         """Move the current gradients out as ``logical_worker``'s and zero them."""
@@ -195,14 +244,27 @@ class LogicalGradients:
             )
         if any(w == logical_worker for w, _ in self.kept):
             raise ValueError(f"logical worker {logical_worker} ran twice in one step")
-        pieces = []
+        flat = self._buffer(len(self.kept))
+        offset = 0
         for p in self.params:
+            n = p.numel()
             if p.grad is None:
-                pieces.append(torch.zeros(p.numel(), dtype=p.dtype, device=p.device))
+                flat[offset : offset + n].zero_()
             else:
-                pieces.append(p.grad.detach().reshape(-1).clone())
+                flat[offset : offset + n].copy_(p.grad.detach().reshape(-1))
                 p.grad.zero_()
-        self.kept.append((logical_worker, torch.cat(pieces) if pieces else torch.zeros(0)))
+            offset += n
+        self.kept.append((logical_worker, flat))
+
+    def _buffer(self, index: int) -> torch.Tensor:
+        """The flat gradient buffer of the ``index``-th kept logical worker of a step.
+
+        Kept across steps (a step's kept gradients are dropped once reduced): a fresh
+        tensor of a real model's size would fault in fresh pages every step.
+        """
+        while len(self._buffers) <= index:
+            self._buffers.append(torch.empty(self.numel, dtype=self.dtype))
+        return self._buffers[index]
 
     def reduce(self, group: dist.ProcessGroup | None = None, *, local: bool = False) -> None:
         """Set every parameter's gradient to the mean over all logical workers, exactly.
@@ -213,9 +275,15 @@ class LogicalGradients:
         this process's kept logical workers only, no communication (see :func:`exact_sum`).
         """
         assert self.kept, "reduce() before any logical worker was kept"
+        if self._total is None and self.dtype == torch.float32:
+            self._total = torch.empty(self.numel, dtype=torch.float32)
         try:
             total = exact_sum(
-                self.kept, num_logical_workers=self.num_logical_workers, group=group, local=local
+                self.kept,
+                num_logical_workers=self.num_logical_workers,
+                group=group,
+                local=local,
+                out=self._total,
             )
         finally:
             self.kept = []

@@ -20,13 +20,14 @@ from spotline.errors import UserError
 _BYTE_VOCAB_SIZE = 260
 _BOS_EOS_ID = 256
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "gpt2-tiny": {
+
+def _gpt2(n_layer: int, n_embd: int, n_head: int, n_positions: int) -> dict[str, Any]:
+    return {
         "model_type": "gpt2",
-        "n_layer": 4,
-        "n_embd": 64,
-        "n_head": 4,
-        "n_positions": 128,
+        "n_layer": n_layer,
+        "n_embd": n_embd,
+        "n_head": n_head,
+        "n_positions": n_positions,
         "vocab_size": _BYTE_VOCAB_SIZE,
         "bos_token_id": _BOS_EOS_ID,
         "eos_token_id": _BOS_EOS_ID,
@@ -34,34 +35,36 @@ PRESETS: dict[str, dict[str, Any]] = {
         "resid_pdrop": 0.1,
         "embd_pdrop": 0.1,
         "attn_pdrop": 0.1,
-    },
-    "gpt2-small-test": {
-        "model_type": "gpt2",
-        "n_layer": 8,
-        "n_embd": 128,
-        "n_head": 4,
-        "n_positions": 256,
-        "vocab_size": _BYTE_VOCAB_SIZE,
-        "bos_token_id": _BOS_EOS_ID,
-        "eos_token_id": _BOS_EOS_ID,
-        "tie_word_embeddings": True,
-        "resid_pdrop": 0.1,
-        "embd_pdrop": 0.1,
-        "attn_pdrop": 0.1,
-    },
-    "llama-tiny": {
+    }
+
+
+def _llama(layers: int, hidden: int, heads: int, intermediate: int) -> dict[str, Any]:
+    return {
         "model_type": "llama",
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
+        "hidden_size": hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
         "num_key_value_heads": 2,
-        "intermediate_size": 128,
+        "intermediate_size": intermediate,
         "vocab_size": _BYTE_VOCAB_SIZE,
         "max_position_embeddings": 128,
         "bos_token_id": _BOS_EOS_ID,
         "eos_token_id": _BOS_EOS_ID,
         "tie_word_embeddings": True,
-    },
+    }
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "gpt2-tiny": _gpt2(n_layer=4, n_embd=64, n_head=4, n_positions=128),
+    "gpt2-small-test": _gpt2(n_layer=8, n_embd=128, n_head=4, n_positions=256),
+    # The benchmark ladder (spotline.launch.bench.ladder): sized so that a step at sequence
+    # length 128 takes about 0.3 s (mid, ~2.7M parameters) and 2 s (big, ~14M) on a 2-core
+    # CPU host, where Spotline's fixed per-step costs weigh less than on the tiny models.
+    "gpt2-mid": _gpt2(n_layer=6, n_embd=192, n_head=6, n_positions=128),
+    "gpt2-big": _gpt2(n_layer=8, n_embd=384, n_head=6, n_positions=128),
+    "llama-tiny": _llama(layers=4, hidden=64, heads=4, intermediate=128),
+    "llama-mid": _llama(layers=6, hidden=192, heads=6, intermediate=512),
+    "llama-big": _llama(layers=8, hidden=384, heads=6, intermediate=1024),
     "neox-tiny": {
         "model_type": "gpt_neox",
         "hidden_size": 64,

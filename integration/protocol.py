@@ -378,6 +378,50 @@ class ReplicaMismatch:
 
 
 @dataclass(frozen=True)
+class ModelStateBytes:
+    """A rank's model state in bytes, counted from its tensors (``spotline.memory``).
+
+    Each field is its peak over the steps measured (at the commit point, where the step's
+    gradients, stashes and the replica's received gradients are all alive). ``stash``: what
+    a replay keeps (this stage's outputs, its input gradients, stage 0's inputs on the last
+    stage); ``eager_graph``: the tensors eager mode's kept autograd graphs hold."""
+
+    parameters: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    replica_parameters: int = 0
+    replica_gradients: int = 0
+    replica_optimizer: int = 0
+    stash: int = 0
+    eager_graph: int = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.to_json().values())
+
+    def peak(self, other: ModelStateBytes) -> ModelStateBytes:
+        """Field by field the larger of the two."""
+        mine, theirs = self.to_json(), other.to_json()
+        return ModelStateBytes(**{k: max(v, theirs[k]) for k, v in mine.items()})
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "parameters": self.parameters,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "replica_parameters": self.replica_parameters,
+            "replica_gradients": self.replica_gradients,
+            "replica_optimizer": self.replica_optimizer,
+            "stash": self.stash,
+            "eager_graph": self.eager_graph,
+        }
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> ModelStateBytes:
+        return cls(**{k: int(raw[k]) for k in cls().to_json()})
+
+
+@dataclass(frozen=True)
 class WorkerStats:
     """A worker's measurements so far (cumulative over its generations), for the summary.
 
@@ -393,6 +437,7 @@ class WorkerStats:
     replica_sync_s: float = 0.0
     seconds_per_logical_worker: float | None = None
     rebalances: tuple[Rebalance, ...] = ()
+    model_state: ModelStateBytes = ModelStateBytes()
 
 
 @dataclass(frozen=True)
@@ -439,6 +484,7 @@ class Report:
             "replica_sync_s": st.replica_sync_s,
             "seconds_per_logical_worker": st.seconds_per_logical_worker,
             "rebalances": [r.to_json() for r in st.rebalances],
+            "model_state_bytes": st.model_state.to_json(),
             "error": self.error,
         }
 
@@ -456,6 +502,7 @@ class Report:
             replica_sync_s=float(raw["replica_sync_s"]),
             seconds_per_logical_worker=raw["seconds_per_logical_worker"],
             rebalances=tuple(Rebalance.from_json(r) for r in raw["rebalances"]),
+            model_state=ModelStateBytes.from_json(raw["model_state_bytes"]),
         )
         return cls(
             worker=str(raw["worker"]),

@@ -42,7 +42,9 @@ from spotline.clipping import apply_clip
 from spotline.engine import INSTRUCTIONS, Batch, SpotlinePipelineEngine, rebind_instruction_map
 from spotline.exact import LogicalGradients
 from spotline.lr_schedule import constructor_hyper
+from spotline.memory import model_state_bytes
 from spotline.plan import schedule as plan
+from spotline.protocol import ModelStateBytes
 
 
 class StashOutput(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
@@ -125,6 +127,18 @@ class StepStash:
     replica_inputs: dict[int, torch.Tensor] = field(default_factory=dict)
     # Eager: (replica input leaf, replica output or loss) with the autograd graph kept.
     redundant: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # Bytes the kept graphs' saved tensors hold (the replica's own parameters excluded):
+    # counted as autograd saves them, by storage (spotline.memory).
+    graph_bytes: int = 0
+    graph_storages: set[int] = field(default_factory=set)
+
+    def count_saved(self, saved: torch.Tensor, exclude: set[int]) -> torch.Tensor:
+        """A ``saved_tensors_hooks`` pack hook: count ``saved``'s storage once, keep it."""
+        ptr = saved.untyped_storage().data_ptr()
+        if ptr not in exclude and ptr not in self.graph_storages:
+            self.graph_storages.add(ptr)
+            self.graph_bytes += saved.untyped_storage().nbytes()
+        return saved
 
 
 class Replica:
@@ -176,6 +190,10 @@ class Replica:
         assert offset == flat.numel()
 
 
+def _unpack(saved: torch.Tensor) -> torch.Tensor:
+    return saved
+
+
 def _grad(param: torch.Tensor) -> torch.Tensor:
     """``param.grad``, which a replayed or received step has always set."""
     assert param.grad is not None
@@ -219,6 +237,7 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         self._pending_send: dist.P2POp | None = None
         self.redundant_s = 0.0
         self.replica_sync_s = 0.0
+        self.model_state = ModelStateBytes()
         self.replay_s = 0.0
         self._pre_tied_grads: dict[str, torch.Tensor] = {}
         # Commit bookkeeping (what a survivor reports after a failure): optimizer steps
@@ -299,6 +318,9 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         self.aggregate_loss_before_commit()
         self.own_ready = True
         self.replica_ready = self.replica is not None and self.replica.flat_grads is not None
+        # Every kind of state is alive here (this step's gradients and stashes, the
+        # replica's received gradients): the per-kind peak is taken at this point.
+        self.model_state = self.model_state.peak(model_state_bytes(self))
         self.commit_barrier()
         self._phase("committed")
         super()._exec_optimizer_step(lr_kwargs)
@@ -341,7 +363,15 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         if leaf.is_floating_point():
             leaf.requires_grad_(True)
         self._rng_micro_batch = micro_batch
-        with torch.enable_grad():
+        # The weights and the input (a stash) are counted as what they are, not as graph.
+        weights = {p.untyped_storage().data_ptr() for p in self.replica.params}
+        weights.add(leaf.untyped_storage().data_ptr())
+        with (
+            torch.enable_grad(),
+            torch.autograd.graph.saved_tensors_hooks(
+                partial(self.stash.count_saved, exclude=weights), _unpack
+            ),
+        ):
             out = self.replica.forward(leaf)
             if self.replica.is_last:
                 labels = self._batch(micro_batch)[1].to(self.device)

@@ -301,6 +301,9 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
     )
     gathered = [torch.zeros_like(per_rank) for _ in range(worker.ident.world_size)]
     dist.all_gather(gathered, per_rank)
+    state = torch.tensor(list(engine.model_state.to_json().values()), dtype=torch.int64)
+    states = [torch.zeros_like(state) for _ in range(worker.ident.world_size)]
+    dist.all_gather(states, state)
     summary: dict[str, Any] | None = None
     if is_reporter:
         assert digest is not None
@@ -328,6 +331,10 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "peak_rss_mib_per_rank": [float(g[0]) for g in gathered],
             "redundant_compute_s_per_rank": [float(g[1]) for g in gathered],
             "replica_sync_s_per_rank": [float(g[2]) for g in gathered],
+            "model_state_bytes_per_rank": [
+                dict(zip(engine.model_state.to_json(), (int(v) for v in g), strict=True))
+                for g in states
+            ],
             "replica_checks": log.replica_checks,
             "replica_mismatches": [m.to_json() for m in log.replica_mismatches],
             "preemptions": 0,

@@ -69,6 +69,12 @@ def test_redundancy_reports_redundant_compute_and_sync(
     assert modes["lazy"]["redundant_compute_s_per_step_per_rank"] == [0.0, 0.0]
     assert min(modes["lazy"]["replica_sync_s_per_step_per_rank"]) > 0
     assert min(modes["eager"]["redundant_compute_s_per_step_per_rank"]) > 0
+    # Model state counted from the tensors: a replica's state on top of its own.
+    assert modes["off"]["model_state_ratio_to_off_max_rank"] == 1.0
+    assert modes["lazy"]["model_state_ratio_to_off_max_rank"] > 1.5
+    for mode in ("off", "lazy", "eager"):
+        spread = modes[mode]["spread_to_off"]
+        assert spread["min"] <= spread["median"] <= spread["max"], mode
 
 
 def test_per_worker_summaries_become_per_rank_lists() -> None:
@@ -91,6 +97,11 @@ def test_per_worker_summaries_become_per_rank_lists() -> None:
         ["reduce", "--ranks", "2", "--logical-workers", "3"],
         ["reduce", "--elements", "0"],
         ["easyscale", "--workers", "0"],
+        ["foundation", "--ladder", "gpt2", "--model", "gpt2-big"],
+        ["foundation", "--ladder", "nope"],
+        ["cluster", "--ladder", "gpt2"],
+        ["reduce", "--model", "gpt2-big", "--elements", "5"],
+        ["reduce", "--model", "no-such-model"],
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

@@ -36,6 +36,33 @@ def test_replicas_stay_bitwise_equal_and_never_change_the_math(spotline_train, s
     assert off["replica_checks"] == 0  # off holds no replica: nothing to check
     assert all(s > 0 for s in eager["redundant_compute_s_per_rank"])
     assert all(s == 0 for s in lazy["redundant_compute_s_per_rank"])
+    _check_model_state(off, lazy, eager, stages)
+
+
+def _check_model_state(off, lazy, eager, stages: int) -> None:
+    """The model state counted from the tensors (spotline.memory), by kind and rank: each
+    replica is exactly its successor's state; off holds none; only eager keeps a graph."""
+    own = ("parameters", "gradients", "optimizer")
+    extra = ("replica_parameters", "replica_gradients", "replica_optimizer", "stash")
+    for rank, counts in enumerate(off["model_state_bytes_per_rank"]):
+        assert counts["parameters"] > 0 and counts["gradients"] == counts["parameters"]
+        # AdamW: two moments of every parameter (and a step count per tensor).
+        assert counts["optimizer"] >= 2 * counts["parameters"]
+        assert all(counts[k] == 0 for k in (*extra, "eager_graph")), (rank, counts)
+    for run in (lazy, eager):
+        ranks = run["model_state_bytes_per_rank"]
+        for rank, counts in enumerate(ranks):
+            successor = ranks[(rank + 1) % stages]
+            # The rank's own state is the same as without redundancy.
+            assert {k: counts[k] for k in own} == {
+                k: off["model_state_bytes_per_rank"][rank][k] for k in own
+            }
+            assert counts["replica_parameters"] == successor["parameters"]
+            assert counts["replica_gradients"] == successor["gradients"]
+            assert counts["replica_optimizer"] == successor["optimizer"]
+            assert counts["stash"] > 0
+    assert all(c["eager_graph"] == 0 for c in lazy["model_state_bytes_per_rank"])
+    assert all(c["eager_graph"] > 0 for c in eager["model_state_bytes_per_rank"])
 
 
 # Each mode once and each stage count once: two stages (every replica wraps to the other

@@ -1,6 +1,7 @@
 """``spotline bench``: side-by-side benchmarks of real training runs on this machine.
 
     spotline bench foundation [--steps 30] [--repeats 3] [--output runs/bench]
+    spotline bench foundation --model gpt2-big     (or --ladder gpt2: tiny, mid, big)
     spotline bench redundancy [--steps 30] [--repeats 3] [--cases 2x2,2x4,4x4]
     spotline bench recovery --trace FILE [--time-scale 60] [--max-workers 3]
     spotline bench reduce [--elements 1000000] [--ranks 2] [--logical-workers 4]
@@ -24,8 +25,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from spotline.errors import UserError
 from spotline.launch.bench.cluster import bench_cluster, format_cluster
@@ -37,6 +39,14 @@ from spotline.launch.bench.cluster_replay import (
 from spotline.launch.bench.easyscale import bench_easyscale, format_easyscale
 from spotline.launch.bench.foundation import bench_foundation, format_foundation
 from spotline.launch.bench.jobs import BenchSettings, run_guarded
+from spotline.launch.bench.ladder import (
+    LADDER_BENCHES,
+    LADDERS,
+    format_ladder,
+    ladder_models,
+    ladder_report,
+    parameters,
+)
 from spotline.launch.bench.recovery import bench_recovery, format_recovery
 from spotline.launch.bench.reduce import bench_reduce, format_reduce
 from spotline.launch.bench.redundancy import (
@@ -55,6 +65,7 @@ DEFAULT_REPEATS = 3
 QUICK_STEPS = 6
 QUICK_REPEATS = 1
 DEFAULT_OUTPUT = "runs/bench"
+DEFAULT_ELEMENTS = 1_000_000
 
 
 class _Parser(argparse.ArgumentParser):
@@ -81,6 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"steps {QUICK_STEPS}, repeats {QUICK_REPEATS} unless given: a smoke test, not a measurement",
     )
     common.add_argument("--config", help="base config JSON (default: the built-in default)")
+    common.add_argument(
+        "--model",
+        help="the model to measure: a ladder rung (gpt2-tiny, gpt2-mid, gpt2-big, llama-tiny, "
+        "llama-mid, llama-big: each with its sequence length and micro-batch size), another "
+        "preset or a save_pretrained directory (default: the config's)",
+    )
+    common.add_argument(
+        "--ladder",
+        metavar="FAMILY",
+        help=f"run the benchmark on every rung of a family's ladder ({', '.join(LADDERS)}) "
+        "and print its ratios against the parameters",
+    )
     parser = _Parser(
         prog="spotline bench",
         description="side-by-side benchmarks of real training runs on this machine",
@@ -117,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
         "reduce", parents=[common], help="exact fixed-point reduction vs a float all_reduce"
     )
     reduce.add_argument(
-        "--elements", type=int, default=1_000_000, help="gradient elements (default 1,000,000)"
+        "--elements",
+        type=int,
+        help=f"gradient elements (default {DEFAULT_ELEMENTS:,}, or --model's parameters)",
     )
     reduce.add_argument("--ranks", type=int, default=2, help="gloo processes (default 2)")
     reduce.add_argument(
@@ -197,7 +222,67 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         raise UserError(f"--steps {steps}: use at least 1 step")
     if repeats < 1:
         raise UserError(f"--repeats {repeats}: use at least 1 round")
-    return BenchSettings(steps=steps, repeats=repeats, output=Path(args.output), config=args.config)
+    if args.ladder is not None:
+        if args.model is not None:
+            raise UserError("--ladder runs every model of a ladder; drop --model or --ladder")
+        if args.bench not in LADDER_BENCHES:
+            raise UserError(
+                f"--ladder: bench {args.bench} does not run a ladder; use it with "
+                + ", ".join(LADDER_BENCHES)
+            )
+        ladder_models(args.ladder)  # an unknown family fails here, before any run
+    if getattr(args, "elements", None) is not None and args.model is not None:
+        raise UserError("--elements and --model both set the gradient size; give one of them")
+    return BenchSettings(
+        steps=steps,
+        repeats=repeats,
+        output=Path(args.output),
+        config=args.config,
+        model=args.model,
+    )
+
+
+def run_bench(args: argparse.Namespace, settings: BenchSettings) -> tuple[dict[str, Any], str]:
+    """One benchmark on ``settings``: its report and its table."""
+    if args.bench == "foundation":
+        report = bench_foundation(settings)
+        return report, format_foundation(report)
+    if args.bench == "recovery":
+        report = bench_recovery(settings, args.trace, args.time_scale, args.max_workers)
+        return report, format_recovery(report)
+    if args.bench == "easyscale":
+        report = bench_easyscale(settings, args.workers)
+        return report, format_easyscale(report)
+    if args.bench == "cluster":
+        report = bench_cluster(
+            settings,
+            victim=args.victim,
+            kill_after=args.kill_after,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            transfer_mib=args.transfer_mib,
+            transfer_repeats=args.transfer_repeats,
+        )
+        return report, format_cluster(report)
+    if args.bench == "cluster-replay":
+        report = bench_cluster_replay(
+            settings,
+            trace_path=args.trace,
+            machines=args.machines,
+            time_scale=args.time_scale,
+            checkpoint_interval=args.checkpoint_interval,
+            calibration_path=args.calibration,
+        )
+        return report, format_cluster_replay(report)
+    if args.bench == "reduce":
+        if settings.model is not None:
+            elements = parameters(settings.model)
+        else:
+            elements = DEFAULT_ELEMENTS if args.elements is None else args.elements
+        report = bench_reduce(settings, elements, args.ranks, args.logical_workers)
+        report["model"] = settings.model
+        return report, format_reduce(report)
+    report = bench_redundancy(settings, parse_cases(args.cases))
+    return report, format_redundancy(report)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,41 +293,18 @@ def main(argv: list[str] | None = None) -> int:
         from spotline.tracking import write_json_atomic
 
         settings = settings_from_args(args)
-        if args.bench == "foundation":
-            report = bench_foundation(settings)
-            table = format_foundation(report)
-        elif args.bench == "recovery":
-            report = bench_recovery(settings, args.trace, args.time_scale, args.max_workers)
-            table = format_recovery(report)
-        elif args.bench == "easyscale":
-            report = bench_easyscale(settings, args.workers)
-            table = format_easyscale(report)
-        elif args.bench == "cluster":
-            report = bench_cluster(
-                settings,
-                victim=args.victim,
-                kill_after=args.kill_after,
-                heartbeat_timeout_s=args.heartbeat_timeout,
-                transfer_mib=args.transfer_mib,
-                transfer_repeats=args.transfer_repeats,
-            )
-            table = format_cluster(report)
-        elif args.bench == "cluster-replay":
-            report = bench_cluster_replay(
-                settings,
-                trace_path=args.trace,
-                machines=args.machines,
-                time_scale=args.time_scale,
-                checkpoint_interval=args.checkpoint_interval,
-                calibration_path=args.calibration,
-            )
-            table = format_cluster_replay(report)
-        elif args.bench == "reduce":
-            report = bench_reduce(settings, args.elements, args.ranks, args.logical_workers)
-            table = format_reduce(report)
+        if args.ladder is None:
+            report, table = run_bench(args, settings)
         else:
-            report = bench_redundancy(settings, parse_cases(args.cases))
-            table = format_redundancy(report)
+            rungs = []
+            for model in ladder_models(args.ladder):
+                rung_settings = replace(settings, model=model, output=settings.output / model)
+                rung_report, rung_table = run_bench(args, rung_settings)
+                rung_report["command"] = ["spotline", "bench", *argv]
+                print(rung_table, "", sep="\n", flush=True)
+                rungs.append((model, parameters(model), rung_report))
+            report = ladder_report(args.bench, rungs)
+            table = format_ladder(report)
         report["command"] = ["spotline", "bench", *argv]
         path = settings.output / f"bench-{report['bench']}.json"
         write_json_atomic(path, report)

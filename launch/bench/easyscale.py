@@ -24,12 +24,15 @@ from typing import Any
 from spotline.errors import UserError
 from spotline.launch.bench.jobs import (
     BenchSettings,
+    format_spread,
     machine_info,
     medians,
     resolve_base_config,
+    round_ratios,
     run_rank_module,
     run_rounds,
     run_spotline_train,
+    spread,
     write_config,
 )
 from spotline.launch.bench.reduce import bench_reduce
@@ -82,6 +85,7 @@ def bench_easyscale(settings: BenchSettings, workers: int) -> dict[str, Any]:
     }
     stock_s = step["stock"]["step_time_s"]
     ratios = {v: step[v]["step_time_s"] / stock_s for v in ("exact", "spotline")}
+    spreads = {v: spread(round_ratios(results, v, "stock")) for v in ("exact", "spotline")}
 
     # 2. The exact reduction of this model's gradient against a float all_reduce.
     elements = num_parameters(cfg)
@@ -135,6 +139,8 @@ def bench_easyscale(settings: BenchSettings, workers: int) -> dict[str, Any]:
         "statistic": "median over interleaved rounds; ratios over stock DeepSpeedEngine",
         "step_time": step,
         "ratio_over_stock": ratios,
+        # Round by round (a variant over the stock run of the same round): min, median, max.
+        "spread": spreads,
         "reduce": reduce,
         "rescale": {
             "plan": plan,
@@ -162,6 +168,8 @@ def format_easyscale(report: dict[str, Any]) -> str:
         f"exact (spotline.dp_engine) {step['exact']['step_time_s'] * 1000:.1f} ms "
         f"({ratios['exact']:.3f}x)   spotline train {step['spotline']['step_time_s'] * 1000:.1f} ms "
         f"({ratios['spotline']:.3f}x)",
+        f"  round by round over stock, median (min-max): exact {format_spread(report['spread']['exact'])}, "
+        f"spotline train {format_spread(report['spread']['spotline'])}",
         f"  reduction  {red['elements']:,} elements: exact {red['exact_ms']:.2f} ms vs all_reduce "
         f"{red['plain_ms']:.2f} ms ({red['time_ratio']:.2f}x time, {red['bytes_ratio']:.2f}x bytes)",
         f"  rescale    {res['plan']}: removals {', '.join(f'{s:.2f}' for s in res['removal_s'])} s, "

@@ -13,13 +13,16 @@ from typing import Any
 
 from spotline.launch.bench.jobs import (
     BenchSettings,
+    format_spread,
     machine_info,
     median_per_rank,
     medians,
     resolve_base_config,
+    round_ratios,
     run_rank_module,
     run_rounds,
     run_spotline_train,
+    spread,
     write_config,
 )
 
@@ -82,6 +85,11 @@ def bench_foundation(settings: BenchSettings) -> dict[str, Any]:
     }
     return {
         "bench": "foundation",
+        # Round by round (spotline / stock of a pair of runs back to back): min, median, max.
+        "spread": {
+            "step_time_s": spread(round_ratios(results, "spotline", "stock")),
+            "samples_per_s": spread(round_ratios(results, "spotline", "stock", "samples_per_s")),
+        },
         "model": cfg.spotline.model.name,
         "workers": cfg.num_workers,
         "stages": cfg.num_stages,
@@ -127,4 +135,8 @@ def format_foundation(report: dict[str, Any]) -> str:
         f"{report['micro_batches']} micro-batches of {report['micro_batch_size']}, "
         f"{report['steps']} steps, median of {report['repeats']} interleaved rounds"
     )
-    return "\n".join([head, "", *rows, "", f"Note: {report['note']}."])
+    spread_line = (
+        f"Spotline / stock step time round by round: {format_spread(report['spread']['step_time_s'])} "
+        "(median (min-max))"
+    )
+    return "\n".join([head, "", *rows, "", spread_line, "", f"Note: {report['note']}."])

@@ -38,6 +38,10 @@ class BenchSettings:
     repeats: int
     output: Path
     config: str | None
+    # A model of the ladder (its sequence length and micro-batch size come with it: see
+    # spotline.launch.bench.ladder) or any preset or save_pretrained directory; None: the
+    # config's model.
+    model: str | None = None
 
 
 class RunFailed(Exception):
@@ -66,6 +70,28 @@ def medians(runs: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, fl
     return {k: median([r[k] for r in runs]) for k in keys if all(k in r for r in runs)}
 
 
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Min, median and max of one figure over rounds: what a ratio's noise looks like."""
+    assert values, "a spread of no rounds"
+    return {"min": min(values), "median": median(values), "max": max(values)}
+
+
+def round_ratios(
+    results: dict[str, list[dict[str, Any]]], num: str, den: str, key: str = "step_time_s"
+) -> list[float]:
+    """``key`` of variant ``num`` over variant ``den``, round by round.
+
+    Interleaved rounds pair up: round i of both ran back to back, under the same load, so
+    the ratio of a pair cancels most of the machine's drift that a ratio of medians keeps.
+    """
+    return [a[key] / b[key] for a, b in zip(results[num], results[den], strict=True)]
+
+
+def format_spread(s: dict[str, float], fmt: str = ".3f") -> str:
+    """``1.021 (1.004-1.050)``: the median, then the min and max over rounds."""
+    return f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
+
+
 def interleaved(variants: Sequence[str], repeats: int) -> list[tuple[int, str]]:
     """The run order: every variant once per round, rounds one after another (A, B, A, B)."""
     return [(round_idx, v) for round_idx in range(repeats) for v in variants]
@@ -86,6 +112,7 @@ def progress(message: str) -> None:
 def resolve_base_config(settings: BenchSettings, overrides: dict[str, Any]) -> Any:
     """The base config with the bench's overrides; UserError on a bad file or value."""
     from spotline.config import load_config, with_overrides
+    from spotline.launch.bench.ladder import model_overrides
 
     return with_overrides(
         load_config(settings.config),
@@ -93,6 +120,7 @@ def resolve_base_config(settings: BenchSettings, overrides: dict[str, Any]) -> A
             "spotline.training.steps": settings.steps,
             "spotline.tracking.wandb": "disabled",
             "spotline.tracking.progress": False,
+            **(model_overrides(settings.model) if settings.model else {}),
             **overrides,
         },
     )

@@ -14,9 +14,11 @@ from spotline.errors import UserError
 from spotline.launch.bench.jobs import (
     BenchSettings,
     RunFailed,
+    format_spread,
     free_port,
     machine_info,
     rank_env,
+    spread,
     stop,
     wait_ranks,
 )
@@ -66,6 +68,7 @@ def bench_reduce(
     measured: dict[str, Any] = json.loads(out.read_text())
     measured["time_ratio"] = measured["exact_ms"] / measured["plain_ms"]
     measured["bytes_ratio"] = measured["exact_bytes"] / measured["plain_bytes"]
+    measured["time_ratio_spread"] = spread(measured["time_ratios"])
     return {"bench": "reduce", **measured, "machine": machine_info()}
 
 
@@ -80,6 +83,7 @@ def format_reduce(report: dict[str, Any]) -> str:
             f"| float sum + all_reduce | {report['plain_ms']:.2f} | {report['plain_bytes']:,} |",
             f"| exact (fixed point) | {report['exact_ms']:.2f} | {report['exact_bytes']:,} |",
             "",
-            f"exact / float: {report['time_ratio']:.2f}x time, {report['bytes_ratio']:.2f}x bytes",
+            f"exact / float: {report['time_ratio']:.2f}x time (repeat by repeat, median (min-max): "
+            f"{format_spread(report['time_ratio_spread'], '.2f')}), {report['bytes_ratio']:.2f}x bytes",
         ]
     )

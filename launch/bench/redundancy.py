@@ -15,12 +15,15 @@ from typing import Any
 from spotline.errors import UserError
 from spotline.launch.bench.jobs import (
     BenchSettings,
+    format_spread,
     machine_info,
     median_per_rank,
     medians,
     resolve_base_config,
+    round_ratios,
     run_rounds,
     run_spotline_train,
+    spread,
     write_config,
 )
 from spotline.plan.schedule import REDUNDANCY_MODES
@@ -96,6 +99,20 @@ def _per_step_median(runs: Sequence[dict[str, Any]], key: str) -> list[float] | 
     return median_per_rank([[v / r["steps"] for v in r[key]] for r in runs])
 
 
+def _state_ratio(run: dict[str, Any], off: dict[str, Any]) -> float | None:
+    """The largest rank's model-state bytes against off's (None: not reported).
+
+    Counted from tensors, so the same in every round: the first round's figure is exact.
+    """
+    if "model_state_bytes_per_rank" not in run or "model_state_bytes_per_rank" not in off:
+        return None
+
+    def largest(r: dict[str, Any]) -> int:
+        return max(int(sum(ranks.values())) for ranks in r["model_state_bytes_per_rank"])
+
+    return largest(run) / largest(off)
+
+
 def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -> dict[str, Any]:
     """Redundancy off/lazy/eager, interleaved, for each case; medians and ratios to off."""
     report_cases = []
@@ -142,6 +159,11 @@ def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -
         for mode in REDUNDANCY_MODES:
             m = modes[mode]
             m["step_time_ratio_to_off"] = m["step_time_s"] / off["step_time_s"]
+            m["spread_to_off"] = spread(round_ratios(results, mode, "off"))
+            m["model_state_bytes_per_rank"] = results[mode][0].get("model_state_bytes_per_rank")
+            m["model_state_ratio_to_off_max_rank"] = _state_ratio(
+                results[mode][0], results["off"][0]
+            )
             m["peak_rss_ratio_to_off_max_rank"] = max(m["peak_rss_mib_per_rank"]) / max(
                 off["peak_rss_mib_per_rank"]
             )
@@ -191,9 +213,10 @@ def format_redundancy(report: dict[str, Any]) -> str:
         return " / ".join(format(v, fmt) for v in values)
 
     rows = [
-        "| case (SxM) | mode | step (ms) | vs off | peak RSS per rank (MiB) | RSS vs off (max rank) "
+        "| case (SxM) | mode | step (ms) | vs off, median (min-max) | peak RSS per rank (MiB) "
+        "| RSS vs off (max rank) | model state vs off (max rank) "
         "| redundant fwd (ms/step per rank) | replica sync (ms/step per rank) | hidden fraction | extra steps |",
-        "|---|---|---:|---:|---|---:|---|---|---:|---:|",
+        "|---|---|---:|---:|---|---:|---:|---|---|---:|---:|",
     ]
     for case in report["cases"]:
         for mode, m in case["modes"].items():
@@ -204,17 +227,42 @@ def format_redundancy(report: dict[str, Any]) -> str:
                 "n/a" if redundant is None else per_rank([v * 1000 for v in redundant], ".1f")
             )
             ms_sync = "n/a" if sync is None else per_rank([v * 1000 for v in sync], ".1f")
+            ratio = m["model_state_ratio_to_off_max_rank"]
+            state = "n/a" if ratio is None else f"{ratio:.3f}"
             rows.append(
                 f"| {case['case']} ({case['workers']} procs) | {mode} | {m['step_time_s'] * 1000:.1f} "
-                f"| {m['step_time_ratio_to_off']:.3f} | {per_rank(m['peak_rss_mib_per_rank'], '.0f')} "
-                f"| {m['peak_rss_ratio_to_off_max_rank']:.3f} | {ms_redundant} "
+                f"| {format_spread(m['spread_to_off'])} | {per_rank(m['peak_rss_mib_per_rank'], '.0f')} "
+                f"| {m['peak_rss_ratio_to_off_max_rank']:.3f} | {state} | {ms_redundant} "
                 f"| {ms_sync} | {hidden} | {m['num_extra_steps']} |"
             )
+    kinds = (
+        "parameters",
+        "gradients",
+        "optimizer",
+        "replica_parameters",
+        "replica_gradients",
+        "replica_optimizer",
+        "stash",
+        "eager_graph",
+    )
+    state_rows = [
+        "| case | mode | rank | " + " | ".join(k.replace("_", " ") for k in kinds) + " | total |",
+        "|---|---|---:|" + "---:|" * (len(kinds) + 1),
+    ]
+    for case in report["cases"]:
+        for mode, m in case["modes"].items():
+            for rank, counts in enumerate(m["model_state_bytes_per_rank"] or []):
+                cells = " | ".join(f"{counts[k] / 2**20:.2f}" for k in kinds)
+                state_rows.append(
+                    f"| {case['case']} | {mode} | {rank} | {cells} "
+                    f"| {sum(counts.values()) / 2**20:.2f} |"
+                )
     head = (
         f"### redundancy: {report['model']}, one pipeline, one process per stage, "
         f"{report['steps']} steps, median of {report['repeats']} interleaved rounds"
     )
-    lines = [head, "", *rows]
+    lines = [head, "", *rows, "", "Model state per rank, MiB (counted from the tensors):", ""]
+    lines += state_rows
     if report["missing_fields"]:
         lines += [
             "",

@@ -1,0 +1,153 @@
+"""The model ladder: the same benchmark on models of growing size, in one invocation.
+
+Spotline's fixed per-step costs (the commit barrier, the exact clip norm, the seeding, the
+store writes) weigh the most on the tiny model, where a step is tens of milliseconds. A rung
+is a model with the shape of the batch it is measured on (``seq_len`` tokens a sequence,
+``micro_batch_size`` sequences a micro-batch), sized for a 2-core CPU host: ``*-tiny`` as
+every earlier figure, ``*-mid`` a few million parameters, ``*-big`` a step of 1-3 s.
+
+``spotline bench <name> --model gpt2-big`` runs one rung; ``--ladder gpt2`` runs every rung
+of a family and :func:`format_ladder` prints each headline ratio against the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from spotline.errors import UserError
+
+
+@dataclass(frozen=True)
+class Rung:
+    """A ladder model and the batch shape it is benchmarked with."""
+
+    model: str
+    seq_len: int
+    micro_batch_size: int
+
+
+RUNGS: dict[str, Rung] = {
+    r.model: r
+    for r in (
+        # The tiny rungs keep the shape of configs/default.json: the earlier figures.
+        Rung("gpt2-tiny", seq_len=32, micro_batch_size=8),
+        Rung("gpt2-mid", seq_len=128, micro_batch_size=2),
+        Rung("gpt2-big", seq_len=128, micro_batch_size=2),
+        Rung("llama-tiny", seq_len=32, micro_batch_size=8),
+        Rung("llama-mid", seq_len=128, micro_batch_size=2),
+        Rung("llama-big", seq_len=128, micro_batch_size=2),
+    )
+}
+LADDERS: dict[str, tuple[str, ...]] = {
+    "gpt2": ("gpt2-tiny", "gpt2-mid", "gpt2-big"),
+    "llama": ("llama-tiny", "llama-mid", "llama-big"),
+}
+# The benchmarks a ladder runs (the cluster ones time losses on namespaces, not a model).
+LADDER_BENCHES = ("foundation", "redundancy", "easyscale", "reduce", "recovery")
+
+
+def model_overrides(model: str) -> dict[str, Any]:
+    """Config overrides for ``--model``: the model, and a rung's batch shape.
+
+    A model off the ladder (another preset, a ``save_pretrained`` directory) keeps the base
+    config's sequence length and micro-batch size.
+    """
+    overrides: dict[str, Any] = {"spotline.model.name": model}
+    rung = RUNGS.get(model)
+    if rung is not None:
+        overrides["spotline.model.seq_len"] = rung.seq_len
+        overrides["train_micro_batch_size_per_gpu"] = rung.micro_batch_size
+    return overrides
+
+
+def ladder_models(family: str) -> tuple[str, ...]:
+    if family not in LADDERS:
+        raise UserError(f"--ladder {family!r}: no such ladder; use one of {', '.join(LADDERS)}")
+    return LADDERS[family]
+
+
+def parameters(model: str) -> int:
+    """The model's parameter count (tied weights once), from its config; imports torch."""
+    from spotline import models
+
+    hf_config = models.load_hf_config(model)
+    module = models.reference_model(hf_config, 0)
+    return sum(p.numel() for p in module.parameters())
+
+
+Spread = dict[str, float]
+
+
+def _foundation(report: dict[str, Any]) -> dict[str, Spread]:
+    return {"spotline / stock step": report["spread"]["step_time_s"]}
+
+
+def _redundancy(report: dict[str, Any]) -> dict[str, Spread]:
+    out = {}
+    for case in report["cases"]:
+        for mode in ("lazy", "eager"):
+            out[f"{mode} / off step, {case['case']}"] = case["modes"][mode]["spread_to_off"]
+    return out
+
+
+def _easyscale(report: dict[str, Any]) -> dict[str, Spread]:
+    return {
+        "dp_engine / stock step": report["spread"]["exact"],
+        "spotline train / stock step": report["spread"]["spotline"],
+    }
+
+
+def _reduce(report: dict[str, Any]) -> dict[str, Spread]:
+    return {"exact / float reduction": report["time_ratio_spread"]}
+
+
+def _recovery(report: dict[str, Any]) -> dict[str, Spread]:
+    goodput = report["ratios"]["goodput_ratio"]
+    return {
+        "failover / checkpoint-restart goodput": {"min": goodput, "median": goodput, "max": goodput}
+    }
+
+
+HEADLINES: dict[str, Callable[[dict[str, Any]], dict[str, Spread]]] = {
+    "foundation": _foundation,
+    "redundancy": _redundancy,
+    "easyscale": _easyscale,
+    "reduce": _reduce,
+    "recovery": _recovery,
+}
+
+
+def ladder_report(bench: str, rungs: Sequence[tuple[str, int, dict[str, Any]]]) -> dict[str, Any]:
+    """The ladder's record: per rung (model, parameters, report) its headline spreads."""
+    return {
+        "bench": f"{bench}-ladder",
+        "statistic": "per rung the median, min and max over interleaved rounds",
+        "rungs": [
+            {
+                "model": model,
+                "parameters": params,
+                "headline": HEADLINES[bench](report),
+                "report": report,
+            }
+            for model, params, report in rungs
+        ],
+    }
+
+
+def format_ladder(report: dict[str, Any]) -> str:
+    """One row per rung and headline: the ratio against the model's size."""
+    rows = [
+        f"### {report['bench']}: ratio against model size (median, min-max over rounds)",
+        "",
+        "| model | parameters | ratio | median | min | max |",
+        "|---|---:|---|---:|---:|---:|",
+    ]
+    for rung in report["rungs"]:
+        for name, s in rung["headline"].items():
+            rows.append(
+                f"| {rung['model']} | {rung['parameters']:,} | {name} | {s['median']:.3f} "
+                f"| {s['min']:.3f} | {s['max']:.3f} |"
+            )
+    return "\n".join(rows)

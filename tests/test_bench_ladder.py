@@ -1,0 +1,82 @@
+"""The model ladder and the figures every benchmark reports with it, without processes:
+rung overrides, spreads over rounds, the ladder table, model-state bytes by storage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spotline.config import load_config, with_overrides
+from spotline.errors import UserError
+from spotline.launch.bench import jobs, ladder
+from spotline.memory import storage_bytes
+from spotline.model_config import PRESETS
+from spotline.protocol import ModelStateBytes
+
+
+def test_every_rung_is_a_preset_and_every_ladder_grows() -> None:
+    assert set(ladder.RUNGS) <= set(PRESETS)
+    for family, models in ladder.LADDERS.items():
+        assert all(m.startswith(family) and m in ladder.RUNGS for m in models)
+        sizes = [ladder.parameters(m) for m in models]
+        assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes), (family, sizes)
+
+
+def test_a_rung_brings_its_batch_shape_and_other_models_keep_the_config() -> None:
+    base = load_config(None)
+    cfg = with_overrides(base, ladder.model_overrides("gpt2-big"))
+    assert (cfg.spotline.model.name, cfg.spotline.model.seq_len, cfg.micro_batch_size) == (
+        "gpt2-big",
+        128,
+        2,
+    )
+    other = with_overrides(base, ladder.model_overrides("neox-tiny"))
+    assert other.spotline.model.name == "neox-tiny"
+    assert (other.spotline.model.seq_len, other.micro_batch_size) == (
+        base.spotline.model.seq_len,
+        base.micro_batch_size,
+    )
+    with pytest.raises(UserError, match="no such ladder"):
+        ladder.ladder_models("gpt3")
+
+
+def test_round_ratios_pair_interleaved_rounds() -> None:
+    results = {
+        "a": [{"step_time_s": 2.0}, {"step_time_s": 3.3}, {"step_time_s": 1.0}],
+        "b": [{"step_time_s": 1.0}, {"step_time_s": 3.0}, {"step_time_s": 1.0}],
+    }
+    ratios = jobs.round_ratios(results, "a", "b")
+    assert ratios == [2.0, 3.3 / 3.0, 1.0]
+    s = jobs.spread(ratios)
+    assert (s["min"], s["median"], s["max"]) == (1.0, 3.3 / 3.0, 2.0)
+    assert jobs.format_spread(s) == "1.100 (1.000-2.000)"
+
+
+def test_the_ladder_table_has_a_row_per_rung_and_headline() -> None:
+    spread = {"min": 1.01, "median": 1.02, "max": 1.05}
+    report = ladder.ladder_report(
+        "foundation",
+        [
+            ("gpt2-tiny", 224_896, {"spread": {"step_time_s": spread}}),
+            ("gpt2-big", 14_345_472, {"spread": {"step_time_s": spread}}),
+        ],
+    )
+    table = ladder.format_ladder(report)
+    assert "| gpt2-big | 14,345,472 | spotline / stock step | 1.020 | 1.010 | 1.050 |" in table
+    assert len([line for line in table.splitlines() if line.startswith("| gpt2")]) == 2
+
+
+def test_model_state_bytes_count_each_storage_once() -> None:
+    weight = torch.zeros(10, 4)
+    view = weight[2:]  # a view of the same storage: not counted again
+    other = torch.zeros(3, dtype=torch.float64)
+    assert storage_bytes([weight, view, None, other]) == 10 * 4 * 4 + 3 * 8
+
+
+def test_model_state_peak_and_json() -> None:
+    a = ModelStateBytes(parameters=10, gradients=10, stash=5)
+    b = ModelStateBytes(parameters=10, gradients=0, stash=7, eager_graph=3)
+    peak = a.peak(b)
+    assert (peak.parameters, peak.gradients, peak.stash, peak.eager_graph) == (10, 10, 7, 3)
+    assert peak.total == 30
+    assert ModelStateBytes.from_json(peak.to_json()) == peak
