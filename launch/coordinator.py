@@ -62,6 +62,11 @@ from spotline.protocol import (
     stop_key,
 )
 
+# How often the watch reads the workers' heartbeats (a tenth of the timeout when shorter).
+HEARTBEAT_CHECK_S = 0.25
+# The longest pause between two turns of a generation's watch while nothing happens.
+IDLE_POLL_S = 0.1
+
 if TYPE_CHECKING:
     from spotline.stores import StoreSpec
 
@@ -176,6 +181,11 @@ class Coordinator:
         self.said_waiting_at: int | None = None
         self.local_agent: subprocess.Popen[bytes] | None = None
         self.last_commit_check = 0.0
+        self.last_heartbeat_check = 0.0
+        # The members' progress as read once at the start of a watch turn (None: between
+        # turns, where every max_progress() reads the store).
+        self._turn_progress: int | None = None
+        self._last_turn_progress = -1
         self.failures_without_loss = 0
         # --resume: the stopped run's committed checkpoint the first generation restores.
         self.resume_from = resume_from
@@ -219,7 +229,16 @@ class Coordinator:
         return self.planner.members()
 
     def max_progress(self) -> int:
-        """The highest step a member of the current generation has started."""
+        """The highest step a member of the current generation has started.
+
+        Within one turn of :meth:`_watch_workers` the value read at its start: a turn asks
+        for it five times, and each read is two store round trips a worker, 50 times a
+        second (on a small host the coordinator's polling took CPU from the workers)."""
+        if self._turn_progress is not None:
+            return self._turn_progress
+        return self._read_progress()
+
+    def _read_progress(self) -> int:
         best = self.planner.resume_step
         for w in self.supervisor.live_ids():
             key = progress_key(self.generation, w)
@@ -684,8 +703,9 @@ class Coordinator:
         first_report_t: float | None = None
         reports: dict[str, Report] = {}
         sup = self.supervisor
+        pause = POLL_S
         while True:
-            self._watch_workers(g)
+            changed = self._watch_workers(g)
             if self._read_reports(g, expected, reports):
                 # Only a member's report means the generation has ended: a standby reports
                 # at once and must not start the clock on the members, who may rightly
@@ -703,13 +723,20 @@ class Coordinator:
                     if sup[w].fate != "killed":  # told once; its agent reports the exit
                         self.metrics.event("unresponsive", worker=w)
                         sup.kill(w, "killed")
-            time.sleep(POLL_S)
+            time.sleep(pause)
+            # While nothing happens and nothing is due, the pause doubles up to
+            # IDLE_POLL_S: a turn costs store round trips for every worker, CPU time the
+            # workers of a small host lose. A lost worker's peers fail their collectives
+            # and abort on their own; an exit or a new step brings the pause back down.
+            quiet = not changed and first_report_t is None and self.faults.quiet()
+            pause = min(IDLE_POLL_S, 2 * pause) if quiet else POLL_S
         self.generation_end_t = first_report_t
         return reports
 
-    def _watch_workers(self, g: int) -> None:
+    def _watch_workers(self, g: int) -> bool:
         """One turn of generation ``g``'s watch: exits, heartbeats, the stall limit, faults,
-        arrivals, a stop, checkpoint errors and commits, progress, departures."""
+        arrivals, a stop, checkpoint errors and commits, progress, departures. Whether a
+        worker exited or a new step started since the last turn."""
         sup = self.supervisor
         if self.local_agent is not None and self.local_agent.poll() is not None:
             raise JobError(
@@ -717,8 +744,25 @@ class Coordinator:
                 f"{self.output}/logs/agent.log"
             )
         self._use_new_machines()
-        self.poll_workers()
-        sup.check_heartbeats(self.sl.recovery.heartbeat_timeout_s)
+        died = self.poll_workers()
+        self._turn_progress = None
+        progress = self._turn_progress = self._read_progress()
+        try:
+            self._watch_turn(sup)
+        finally:
+            self._turn_progress = None
+        changed = bool(died) or progress != self._last_turn_progress
+        self._last_turn_progress = progress
+        return changed
+
+    def _watch_turn(self, sup: Supervisor) -> None:
+        """The rest of a watch turn, with the members' progress read once."""
+        limit_s = self.sl.recovery.heartbeat_timeout_s
+        if time.monotonic() - self.last_heartbeat_check >= min(HEARTBEAT_CHECK_S, limit_s / 10):
+            # A heartbeat is seconds old before it counts as missed: a few checks a second
+            # see it in time, at a tenth of the store traffic of one every turn.
+            self.last_heartbeat_check = time.monotonic()
+            sup.check_heartbeats(limit_s)
         self._check_stalled()
         self.faults.deliver()
         self._admit_joiners()

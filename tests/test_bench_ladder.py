@@ -57,13 +57,17 @@ def test_the_ladder_table_has_a_row_per_rung_and_headline() -> None:
     report = ladder.ladder_report(
         "foundation",
         [
-            ("gpt2-tiny", 224_896, {"spread": {"step_time_s": spread}}),
-            ("gpt2-big", 14_345_472, {"spread": {"step_time_s": spread}}),
+            ("gpt2-tiny", 224_896, {"spread": {"step_time_s": spread, "off_step_time_s": spread}}),
+            (
+                "gpt2-big",
+                14_345_472,
+                {"spread": {"step_time_s": spread, "off_step_time_s": spread}},
+            ),
         ],
     )
     table = ladder.format_ladder(report)
     assert "| gpt2-big | 14,345,472 | spotline / stock step | 1.020 | 1.010 | 1.050 |" in table
-    assert len([line for line in table.splitlines() if line.startswith("| gpt2")]) == 2
+    assert len([line for line in table.splitlines() if line.startswith("| gpt2")]) == 4
 
 
 def test_model_state_bytes_count_each_storage_once() -> None:

@@ -6,6 +6,7 @@
     spotline bench recovery --trace FILE [--time-scale 60] [--max-workers 3]
     spotline bench reduce [--elements 1000000] [--ranks 2] [--logical-workers 4]
     spotline bench easyscale [--workers 2]
+    spotline bench takeover [--kill-at 5]
     spotline bench cluster [--steps 8] [--repeats 3] [--victim w1] [--kill-after 2]
     spotline bench cluster-replay [--trace FILE] [--machines 4] [--time-scale 30]
                                   [--steps 200] [--repeats 1] [--calibration FILE]
@@ -55,6 +56,7 @@ from spotline.launch.bench.redundancy import (
     format_redundancy,
     parse_cases,
 )
+from spotline.launch.bench.takeover import bench_takeover, format_takeover
 
 DEFAULT_STEPS = 30
 # The cluster bench times a loss, not steady steps: a few steps before and after it.
@@ -62,6 +64,8 @@ CLUSTER_DEFAULT_STEPS = 8
 # A replay runs long enough to meet a trace's preemptions, once (it is not a timing of steps).
 REPLAY_DEFAULT_STEPS, REPLAY_DEFAULT_REPEATS = 200, 1
 DEFAULT_REPEATS = 3
+# A takeover is timed once a run: a few steps before and after it.
+TAKEOVER_DEFAULT_STEPS = 10
 QUICK_STEPS = 6
 QUICK_REPEATS = 1
 DEFAULT_OUTPUT = "runs/bench"
@@ -111,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="bench",
         required=True,
-        metavar="{foundation,redundancy,recovery,reduce,easyscale,cluster,cluster-replay}",
+        metavar="{foundation,redundancy,recovery,reduce,easyscale,takeover,cluster,cluster-replay}",
     )
     sub.add_parser(
         "foundation", parents=[common], help="Spotline vs stock DeepSpeed PipelineEngine"
@@ -182,6 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument(
         "--transfer-repeats", type=int, default=5, help="transfers per path (default 5)"
     )
+    takeover = sub.add_parser(
+        "takeover",
+        parents=[common],
+        help="an in-memory takeover's time (kill to next committed step) and the state it moves",
+    )
+    takeover.add_argument(
+        "--kill-at", type=int, default=5, help="SIGKILL worker 1 in this step (default 5)"
+    )
     replay = sub.add_parser(
         "cluster-replay",
         parents=[common],
@@ -206,7 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
-    default_steps = {"cluster": CLUSTER_DEFAULT_STEPS, "cluster-replay": REPLAY_DEFAULT_STEPS}
+    default_steps = {
+        "cluster": CLUSTER_DEFAULT_STEPS,
+        "cluster-replay": REPLAY_DEFAULT_STEPS,
+        "takeover": TAKEOVER_DEFAULT_STEPS,
+    }
     default_repeats = REPLAY_DEFAULT_REPEATS if args.bench == "cluster-replay" else DEFAULT_REPEATS
     steps = (
         args.steps
@@ -273,6 +289,9 @@ def run_bench(args: argparse.Namespace, settings: BenchSettings) -> tuple[dict[s
             calibration_path=args.calibration,
         )
         return report, format_cluster_replay(report)
+    if args.bench == "takeover":
+        report = bench_takeover(settings, args.kill_at)
+        return report, format_takeover(report)
     if args.bench == "reduce":
         if settings.model is not None:
             elements = parameters(settings.model)

@@ -38,7 +38,10 @@ def run_stock(config: Path, num_workers: int, run_dir: Path) -> dict[str, Any]:
     )
 
 
-FOUNDATION_VARIANTS = ("spotline", "stock")
+# spotline: the default (lazy redundancy); spotline-off: the engine alone, redundancy off
+# (what the stock engine does, with Spotline's commit point, exact reduction and seeding).
+FOUNDATION_VARIANTS = ("spotline", "spotline-off", "stock")
+VARIANT_FLAGS = {"spotline": [], "spotline-off": ["--redundancy", "off"]}
 FOUNDATION_KEYS = ("samples_per_s", "step_time_s", "wall_s", "setup_s", "final_loss", "process_s")
 
 
@@ -55,8 +58,8 @@ def bench_foundation(settings: BenchSettings) -> dict[str, Any]:
 
     def run_one(variant: str, round_idx: int) -> dict[str, Any]:
         run_dir = work / f"{variant}-r{round_idx}"
-        if variant == "spotline":
-            return run_spotline_train(config, run_dir, [])
+        if variant in VARIANT_FLAGS:
+            return run_spotline_train(config, run_dir, VARIANT_FLAGS[variant])
         return run_stock(config, cfg.num_workers, run_dir)
 
     results = run_rounds(FOUNDATION_VARIANTS, settings.repeats, run_one, "foundation")
@@ -71,7 +74,8 @@ def bench_foundation(settings: BenchSettings) -> dict[str, Any]:
             ],
         }
     spot, stock = variants["spotline"], variants["stock"]
-    ratios = {
+    ratios: dict[str, Any] = {
+        "off_step_time_s": variants["spotline-off"]["step_time_s"] / stock["step_time_s"],
         "samples_per_s": spot["samples_per_s"] / stock["samples_per_s"],
         "step_time_s": spot["step_time_s"] / stock["step_time_s"],
         "peak_rss_mib_max_rank": max(spot["peak_rss_mib_per_rank"])
@@ -88,6 +92,7 @@ def bench_foundation(settings: BenchSettings) -> dict[str, Any]:
         # Round by round (spotline / stock of a pair of runs back to back): min, median, max.
         "spread": {
             "step_time_s": spread(round_ratios(results, "spotline", "stock")),
+            "off_step_time_s": spread(round_ratios(results, "spotline-off", "stock")),
             "samples_per_s": spread(round_ratios(results, "spotline", "stock", "samples_per_s")),
         },
         "model": cfg.spotline.model.name,
@@ -98,7 +103,7 @@ def bench_foundation(settings: BenchSettings) -> dict[str, Any]:
         "micro_batch_size": cfg.micro_batch_size,
         "steps": settings.steps,
         "repeats": settings.repeats,
-        "order": "interleaved: spotline, stock per round",
+        "order": "interleaved: spotline, spotline-off, stock per round",
         "statistic": "median over rounds (per rank for memory); ratios are spotline / stock",
         "variants": variants,
         "ratio_spotline_over_stock": ratios,
@@ -118,7 +123,8 @@ def format_foundation(report: dict[str, Any]) -> str:
         "|---|---:|---:|---|",
     ]
     for name, title in (
-        ("spotline", "Spotline (spotline train)"),
+        ("spotline", "Spotline (spotline train, lazy redundancy)"),
+        ("spotline-off", "Spotline, redundancy off"),
         ("stock", "stock DeepSpeed PipelineEngine"),
     ):
         rows.append(
@@ -136,7 +142,8 @@ def format_foundation(report: dict[str, Any]) -> str:
         f"{report['steps']} steps, median of {report['repeats']} interleaved rounds"
     )
     spread_line = (
-        f"Spotline / stock step time round by round: {format_spread(report['spread']['step_time_s'])} "
-        "(median (min-max))"
+        "Step time over stock round by round, median (min-max): Spotline "
+        f"{format_spread(report['spread']['step_time_s'])}, redundancy off "
+        f"{format_spread(report['spread']['off_step_time_s'])}"
     )
     return "\n".join([head, "", *rows, "", spread_line, "", f"Note: {report['note']}."])

@@ -45,7 +45,7 @@ LADDERS: dict[str, tuple[str, ...]] = {
     "llama": ("llama-tiny", "llama-mid", "llama-big"),
 }
 # The benchmarks a ladder runs (the cluster ones time losses on namespaces, not a model).
-LADDER_BENCHES = ("foundation", "redundancy", "easyscale", "reduce", "recovery")
+LADDER_BENCHES = ("foundation", "redundancy", "easyscale", "reduce", "recovery", "takeover")
 
 
 def model_overrides(model: str) -> dict[str, Any]:
@@ -81,7 +81,10 @@ Spread = dict[str, float]
 
 
 def _foundation(report: dict[str, Any]) -> dict[str, Spread]:
-    return {"spotline / stock step": report["spread"]["step_time_s"]}
+    return {
+        "spotline / stock step": report["spread"]["step_time_s"],
+        "spotline (redundancy off) / stock step": report["spread"]["off_step_time_s"],
+    }
 
 
 def _redundancy(report: dict[str, Any]) -> dict[str, Spread]:
@@ -110,12 +113,17 @@ def _recovery(report: dict[str, Any]) -> dict[str, Spread]:
     }
 
 
+def _takeover(report: dict[str, Any]) -> dict[str, Spread]:
+    return {"takeover s (kill to next committed step)": report["recovery_s"]}
+
+
 HEADLINES: dict[str, Callable[[dict[str, Any]], dict[str, Spread]]] = {
     "foundation": _foundation,
     "redundancy": _redundancy,
     "easyscale": _easyscale,
     "reduce": _reduce,
     "recovery": _recovery,
+    "takeover": _takeover,
 }
 
 

@@ -139,6 +139,17 @@ class FaultDelivery:
             return 3600.0 / (self.rec.preempt_rate * self.cfg.num_workers) / self.rec.time_scale
         return None
 
+    def quiet(self) -> bool:
+        """Whether nothing is due at a step or a time (no injection, rescale, trace event or
+        random preemption left): then the coordinator's watch may poll less often."""
+        return (
+            all(id(i) in self.done_injections for i in self.injections)
+            and not self.rescales
+            and not self.timed
+            and self.replay is None
+            and self.rec.preempt_rate <= 0
+        )
+
     def more_to_come(self) -> bool:
         """Whether timed events (arrivals among them) remain."""
         return bool(self.timed)
