@@ -53,6 +53,12 @@ from spotline.errors import UserError
 from spotline.evaluation import Evaluator
 from spotline.exact import NonFiniteGradient
 from spotline.group_setup import connected_new_groups, init_generation_group
+from spotline.instruction_profile import (
+    InstructionProfile,
+    instrument,
+    profile_dir,
+    write_profile,
+)
 from spotline.loop import EngineLog, StepDone, StepHooks, slow_machine, train_engine
 from spotline.lr_schedule import StepSchedule, constructor_hyper
 from spotline.plan import logical
@@ -352,6 +358,9 @@ class ElasticWorker:
         self.redundant_s = 0.0
         self.replica_sync_s = 0.0
         self.model_state = ModelStateBytes()
+        # Seconds by schedule instruction, over every engine of this worker (only when
+        # SPOTLINE_INSTRUCTION_PROFILE names a folder: spotline bench profile).
+        self.instruction_profile = InstructionProfile() if profile_dir() else None
         # Speed measurement: seconds per logical worker on this rank since the last rebalance.
         self._lw_seconds = 0.0
         self._lw_count = 0
@@ -686,6 +695,8 @@ class ElasticWorker:
         )
         # build_engine returns DeepSpeed's (untyped) PipelineEngine; it built the class asked.
         assert isinstance(engine, RedundantPipelineEngine)
+        if self.instruction_profile is not None:
+            instrument(engine, self.instruction_profile)
         engine.batch_source = lambda step, worker, mb: self.corpus.batch(
             self.sampler.indices(step, worker, mb)
         )
@@ -951,6 +962,8 @@ class ElasticWorker:
             self.redundant_s += engine.redundant_s
             self.replica_sync_s += engine.replica_sync_s
             self.model_state = self.model_state.peak(engine.model_state)
+            if self.instruction_profile is not None:
+                write_profile(self.instruction_profile, self.wid)
             if not self.holdings.stages:
                 self.holdings = extract_holdings(engine, self.logical)
                 self._recipe = self._optimizer_recipe(engine)

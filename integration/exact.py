@@ -71,10 +71,16 @@ def _blocks(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _block_max(flat: torch.Tensor) -> torch.Tensor:
-    head, tail = _blocks(flat.abs())
-    parts = [head.amax(dim=1)] if head.numel() else []
+    """Per block the largest magnitude, ``max(max, -min)``: no ``abs`` copy of the gradient
+    (a fresh tensor of its size faulted in pages that cost 10x the reduction itself).
+    Negation is exact, and a NaN or Inf still shows as its block's maximum. Two reductions:
+    ``aminmax`` along a dimension is not vectorised on CPU, ``amax`` and ``amin`` are."""
+    head, tail = _blocks(flat)
+    parts = []
+    if head.numel():
+        parts.append(torch.maximum(head.amax(dim=1), head.amin(dim=1).neg_()))
     if tail.numel():
-        parts.append(tail.amax().reshape(1))
+        parts.append(torch.maximum(tail.amax(), tail.amin().neg()).reshape(1))
     return torch.cat(parts)
 
 
@@ -131,6 +137,7 @@ def exact_sum(
     group: dist.ProcessGroup | None = None,
     local: bool = False,
     out: torch.Tensor | None = None,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     """The exact sum over all logical workers of their gradients.
 
@@ -142,7 +149,9 @@ def exact_sum(
     every grouping of the logical workers onto processes. NonFiniteGradient on every
     process when any logical worker's gradient is not finite. ``out``: a flat float32
     tensor of the gradients' size to write the sum into (a caller's buffer kept across
-    steps; fresh pages for every step's result cost more than the sum).
+    steps; fresh pages for every step's result cost more than the sum). ``scale``: the
+    float32 sum multiplied by it (``1 / num_logical_workers`` for the mean), a chunk at a
+    time while it is in cache: the same bits as one multiplication of the whole sum.
     """
     if not gradients:
         raise ValueError("a process must host at least one logical worker")
@@ -153,6 +162,11 @@ def exact_sum(
     numel = gradients[0][1].numel()
     if numel == 0:
         return torch.zeros(shape, dtype=dtype)
+    if dtype != torch.float32 and scale != 1.0:
+        # Scaled after the conversion to ``dtype``, as the caller would.
+        return exact_sum(
+            gradients, num_logical_workers=num_logical_workers, group=group, local=local
+        ).mul_(scale)
 
     flats = [g.detach().reshape(-1).to(torch.float32) for _, g in gradients]
     maxima = torch.stack([_block_max(flat) for flat in flats])
@@ -174,6 +188,22 @@ def exact_sum(
     shift = bits - exponent.to(torch.int64)  # scale each block by 2**(F - e)
     result = torch.empty(numel, dtype=torch.float32) if out is None else out
     assert result.shape == (numel,) and result.dtype == torch.float32, "out: flat float32"
+    _fixed_point_sum(flats, shift, result, group if distributed else None, distributed, scale)
+    return result.to(dtype).view(shape)
+
+
+def _fixed_point_sum(
+    flats: Sequence[torch.Tensor],
+    shift: torch.Tensor,
+    result: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    distributed: bool,
+    scale: float,
+) -> None:
+    """Steps 2-4 of the module's recipe, a chunk at a time, into ``result``: to fixed point,
+    the integer sum (all-reduced over ``group`` when ``distributed``), back to float32,
+    times ``scale``."""
+    numel = result.numel()
     pending: deque[tuple[dist.Work | None, int, int, torch.Tensor]] = deque()
 
     def finish() -> None:
@@ -183,6 +213,8 @@ def exact_sum(
         # Back once: the integer sum rounds to float32 once, then the power of two is undone.
         chunk_shift = shift[start // BLOCK : (stop + BLOCK - 1) // BLOCK]
         _scaled(fixed.to(torch.float32), -chunk_shift, out=result[start:stop])
+        if scale != 1.0:
+            result[start:stop].mul_(scale)
 
     for start in range(0, numel, CHUNK):
         stop = min(start + CHUNK, numel)
@@ -199,7 +231,6 @@ def exact_sum(
             finish()
     while pending:
         finish()
-    return result.to(dtype).view(shape)
 
 
 def ordered_sum(gradients: Sequence[tuple[int, torch.Tensor]]) -> torch.Tensor:
@@ -278,24 +309,22 @@ class LogicalGradients:
         if self._total is None and self.dtype == torch.float32:
             self._total = torch.empty(self.numel, dtype=torch.float32)
         try:
+            # One multiplication after the exact sum: the same bits on every process.
             total = exact_sum(
                 self.kept,
                 num_logical_workers=self.num_logical_workers,
                 group=group,
                 local=local,
                 out=self._total,
+                scale=1.0 / self.num_logical_workers,
             )
         finally:
             self.kept = []
-        # One multiplication after the exact sum: the same bits on every process.
-        total.mul_(1.0 / self.num_logical_workers)
+        # The gradients become views of the sum (no copy): keep() copies them out and zeroes
+        # them before the next reduce writes the buffer again.
         offset = 0
         for p in self.params:
             n = p.numel()
-            piece = total[offset : offset + n].view_as(p)
-            if p.grad is None:
-                p.grad = piece.clone()
-            else:
-                p.grad.copy_(piece)
+            p.grad = total[offset : offset + n].view_as(p)
             offset += n
         assert offset == total.numel()

@@ -185,7 +185,8 @@ class Replica:
         offset = 0
         for p in self.params:
             n = p.numel()
-            p.grad = flat[offset : offset + n].view_as(p).clone()
+            # A view, not a copy: the received buffer is this step's alone (freed after it).
+            p.grad = flat[offset : offset + n].view_as(p)
             offset += n
         assert offset == flat.numel()
 

@@ -102,6 +102,8 @@ def test_per_worker_summaries_become_per_rank_lists() -> None:
         ["cluster", "--ladder", "gpt2"],
         ["reduce", "--model", "gpt2-big", "--elements", "5"],
         ["reduce", "--model", "no-such-model"],
+        ["takeover", "--kill-at", "0"],
+        ["takeover", "--steps", "5", "--kill-at", "5"],
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

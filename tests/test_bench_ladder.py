@@ -3,6 +3,8 @@ rung overrides, spreads over rounds, the ladder table, model-state bytes by stor
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -52,7 +54,7 @@ def test_round_ratios_pair_interleaved_rounds() -> None:
     assert jobs.format_spread(s) == "1.100 (1.000-2.000)"
 
 
-def test_the_ladder_table_has_a_row_per_rung_and_headline() -> None:
+def test_the_ladder_table_has_a_row_per_rung_and_headline(tmp_path: Path) -> None:
     spread = {"min": 1.01, "median": 1.02, "max": 1.05}
     report = ladder.ladder_report(
         "foundation",
@@ -68,6 +70,9 @@ def test_the_ladder_table_has_a_row_per_rung_and_headline() -> None:
     table = ladder.format_ladder(report)
     assert "| gpt2-big | 14,345,472 | spotline / stock step | 1.020 | 1.010 | 1.050 |" in table
     assert len([line for line in table.splitlines() if line.startswith("| gpt2")]) == 4
+    png = tmp_path / "ladder.png"
+    ladder.plot_ladder(report, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_model_state_bytes_count_each_storage_once() -> None:

@@ -111,3 +111,57 @@ def test_a_non_finite_gradient_stops_every_process(
 ) -> None:
     poisoned = ranks_results[len(GROUPINGS)]
     assert poisoned == {0: {"non_finite": [4]}, 1: {"non_finite": [4]}}
+
+
+def _two_halves(flat: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """The scaling by 2**shift per block as two float32 powers of two (the general path)."""
+    low = torch.div(shift, 2, rounding_mode="floor")
+    one = torch.ones(shift.shape, dtype=torch.float32)
+    factor = torch.repeat_interleave(torch.ldexp(one, low), BLOCK)[: flat.numel()]
+    second = torch.repeat_interleave(torch.ldexp(one, shift - low), BLOCK)[: flat.numel()]
+    return flat * factor * second
+
+
+def test_one_multiplication_where_the_power_fits_gives_the_two_halves_bits() -> None:
+    """The fast path of the scaling (one float32 power of two a block) against the two
+    halves, on the values it meets: to fixed point a block scaled by its own shift and
+    rounded (block maxima from 2**-60 to 2**100, small values in each), back from fixed
+    point integer sums up to 2**62 with every shift in float32's range."""
+    from spotline.exact import _exponents, _scaled, fraction_bits
+
+    gen = torch.Generator().manual_seed(7)
+    bits = fraction_bits(4)
+    block_scale = torch.arange(-60, 101, 2, dtype=torch.int64)
+    blocks = block_scale.numel()
+    flat = torch.randn(blocks * BLOCK, generator=gen).view(blocks, BLOCK)
+    flat *= torch.ldexp(torch.ones(blocks, 1), block_scale[:, None])
+    flat[:, :64] *= 1e-30  # tiny values beside a block's large ones
+    flat = flat.reshape(-1)
+    head = flat.view(blocks, BLOCK)
+    shift = bits - _exponents(head.abs().amax(dim=1)).to(torch.int64)
+    assert bool(((shift >= -126) & (shift <= 127)).all())  # the fast path is taken
+    assert torch.equal(_scaled(flat, shift).round(), _two_halves(flat, shift).round())
+    sums = torch.randint(-(2**62), 2**62, (blocks * BLOCK,), generator=gen).to(torch.float32)
+    sums[::7] = torch.randint(-5, 5, (sums[::7].numel(),), generator=gen).to(torch.float32)
+    back = torch.arange(-126, 128, dtype=torch.int64)[:blocks]
+    assert torch.equal(_scaled(sums, -back), _two_halves(sums, -back))
+
+
+def test_the_chunked_sum_equals_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of the reduction (reused buffers, an all-reduce a chunk) change no bit: sizes
+    around the chunk's edge, zero and tiny blocks (the two-halves path), several workers."""
+    from spotline import exact
+
+    gen = torch.Generator().manual_seed(3)
+    for numel in (exact.CHUNK - 1, exact.CHUNK, 2 * exact.CHUNK + BLOCK + 5):
+        grads = [(w, torch.randn(numel, generator=gen) * 1e-3) for w in range(3)]
+        for _, g in grads:
+            g[: 2 * BLOCK] = 0  # zero blocks on every worker
+        grads[1][1][3 * BLOCK : 4 * BLOCK] *= 1e-35  # a block of tiny values
+        out = torch.empty(numel)
+        chunked = exact_sum(grads, num_logical_workers=3, local=True, out=out)
+        assert chunked.data_ptr() == out.data_ptr()
+        monkeypatch.setattr(exact, "CHUNK", 1 << 40)
+        whole = exact_sum(grads, num_logical_workers=3, local=True)
+        monkeypatch.undo()
+        assert torch.equal(chunked, whole), numel

@@ -7,6 +7,7 @@
     spotline bench reduce [--elements 1000000] [--ranks 2] [--logical-workers 4]
     spotline bench easyscale [--workers 2]
     spotline bench takeover [--kill-at 5]
+    spotline bench profile [--model gpt2-big]
     spotline bench cluster [--steps 8] [--repeats 3] [--victim w1] [--kill-after 2]
     spotline bench cluster-replay [--trace FILE] [--machines 4] [--time-scale 30]
                                   [--steps 200] [--repeats 1] [--calibration FILE]
@@ -47,7 +48,9 @@ from spotline.launch.bench.ladder import (
     ladder_models,
     ladder_report,
     parameters,
+    plot_ladder,
 )
+from spotline.launch.bench.profile import bench_profile, format_profile
 from spotline.launch.bench.recovery import bench_recovery, format_recovery
 from spotline.launch.bench.reduce import bench_reduce, format_reduce
 from spotline.launch.bench.redundancy import (
@@ -115,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="bench",
         required=True,
-        metavar="{foundation,redundancy,recovery,reduce,easyscale,takeover,cluster,cluster-replay}",
+        metavar="{foundation,redundancy,recovery,reduce,easyscale,takeover,profile,cluster,"
+        "cluster-replay}",
     )
     sub.add_parser(
         "foundation", parents=[common], help="Spotline vs stock DeepSpeed PipelineEngine"
@@ -185,6 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cluster.add_argument(
         "--transfer-repeats", type=int, default=5, help="transfers per path (default 5)"
+    )
+    sub.add_parser(
+        "profile",
+        parents=[common],
+        help="seconds per step by schedule instruction: Spotline (lazy, off) and stock",
     )
     takeover = sub.add_parser(
         "takeover",
@@ -289,6 +298,9 @@ def run_bench(args: argparse.Namespace, settings: BenchSettings) -> tuple[dict[s
             calibration_path=args.calibration,
         )
         return report, format_cluster_replay(report)
+    if args.bench == "profile":
+        report = bench_profile(settings)
+        return report, format_profile(report)
     if args.bench == "takeover":
         report = bench_takeover(settings, args.kill_at)
         return report, format_takeover(report)
@@ -323,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(rung_table, "", sep="\n", flush=True)
                 rungs.append((model, parameters(model), rung_report))
             report = ladder_report(args.bench, rungs)
-            table = format_ladder(report)
+            plot = settings.output / f"bench-{args.bench}-ladder.png"
+            plot_ladder(report, plot)
+            table = f"{format_ladder(report)}\n\nplot: {plot}"
         report["command"] = ["spotline", "bench", *argv]
         path = settings.output / f"bench-{report['bench']}.json"
         write_json_atomic(path, report)

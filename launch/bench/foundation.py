@@ -27,7 +27,9 @@ from spotline.launch.bench.jobs import (
 )
 
 
-def run_stock(config: Path, num_workers: int, run_dir: Path) -> dict[str, Any]:
+def run_stock(
+    config: Path, num_workers: int, run_dir: Path, extra_env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """``num_workers`` ranks of ``spotline.launch.bench.stock_worker``; returns rank 0's JSON."""
     return run_rank_module(
         "spotline.launch.bench.stock_worker",
@@ -35,6 +37,7 @@ def run_stock(config: Path, num_workers: int, run_dir: Path) -> dict[str, Any]:
         num_workers,
         run_dir,
         "stock DeepSpeed",
+        extra_env,
     )
 
 

@@ -143,7 +143,12 @@ def _error_line(log_text: str) -> str | None:
 # --------------------------------------------------------------------------- running jobs
 
 
-def run_spotline_train(config: Path, run_dir: Path, extra_flags: Sequence[str]) -> dict[str, Any]:
+def run_spotline_train(
+    config: Path,
+    run_dir: Path,
+    extra_flags: Sequence[str],
+    extra_env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """``spotline train`` as a subprocess (its own workers); returns its summary.json.
 
     The job's stdout and stderr go to ``run_dir/bench.log``. Raises RunFailed: exit 2 with
@@ -165,7 +170,9 @@ def run_spotline_train(config: Path, run_dir: Path, extra_flags: Sequence[str]) 
         *extra_flags,
     ]
     with open(log_path, "wb") as log:
-        code = subprocess.call(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        code = subprocess.call(
+            cmd, env={**child_env(), **(extra_env or {})}, stdout=log, stderr=subprocess.STDOUT
+        )
     if code != 0:
         message = _error_line(log_path.read_text(errors="replace"))
         if code == EXIT_USAGE and message is not None:
@@ -257,7 +264,12 @@ def wait_ranks(procs: Sequence[subprocess.Popen[bytes]]) -> list[int]:
 
 
 def run_rank_module(
-    module: str, args: Sequence[str], num_ranks: int, run_dir: Path, label: str
+    module: str,
+    args: Sequence[str],
+    num_ranks: int,
+    run_dir: Path,
+    label: str,
+    extra_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """``num_ranks`` ranks of ``python -m module *args --output run_dir/result.json`` on one
     gloo group; returns the JSON rank 0 writes there.
@@ -280,7 +292,7 @@ def run_rank_module(
                 procs.append(
                     subprocess.Popen(
                         cmd,
-                        env=rank_env(rank, num_ranks, port),
+                        env={**rank_env(rank, num_ranks, port), **(extra_env or {})},
                         stdout=log,
                         stderr=subprocess.STDOUT,
                     )

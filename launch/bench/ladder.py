@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from spotline.errors import UserError
@@ -159,3 +160,47 @@ def format_ladder(report: dict[str, Any]) -> str:
                 f"| {s['min']:.3f} | {s['max']:.3f} |"
             )
     return "\n".join(rows)
+
+
+def plot_ladder(report: dict[str, Any], path: Path) -> None:
+    """Each headline ratio against the parameters (log scale): the median with its min-max
+    over rounds as an error bar; a dashed line at 1 (no cost). PNG, written atomically."""
+    import io
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from spotline.tracking import write_bytes_atomic
+
+    figure = Figure(figsize=(7, 4.2))
+    FigureCanvasAgg(figure)
+    axes = figure.add_subplot(1, 1, 1)
+    names = list(dict.fromkeys(n for rung in report["rungs"] for n in rung["headline"]))
+    for name in names:
+        rows = [
+            (r["parameters"], r["headline"][name]) for r in report["rungs"] if name in r["headline"]
+        ]
+        xs = [p for p, _ in rows]
+        med = [s["median"] for _, s in rows]
+        low = [s["median"] - s["min"] for _, s in rows]
+        high = [s["max"] - s["median"] for _, s in rows]
+        axes.errorbar(xs, med, yerr=[low, high], marker="o", capsize=4, label=name)
+    for rung in report["rungs"]:
+        axes.annotate(
+            rung["model"],
+            (rung["parameters"], 1.0),
+            textcoords="offset points",
+            xytext=(0, -14),
+            ha="center",
+            fontsize=8,
+        )
+    axes.axhline(1.0, linestyle="--", color="grey", linewidth=1)
+    axes.set_xscale("log")
+    axes.set_xlabel("parameters")
+    axes.set_ylabel("ratio (median, min-max over rounds)")
+    axes.set_title(f"{report['bench']}: ratio against model size")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    write_bytes_atomic(path, buffer.getvalue())

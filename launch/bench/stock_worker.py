@@ -40,6 +40,12 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
     from spotline import models
     from spotline.config import load_config
     from spotline.engine import deepspeed_config_for, step_batches
+    from spotline.instruction_profile import (
+        InstructionProfile,
+        instrument,
+        profile_dir,
+        write_profile,
+    )
     from spotline.loop import StepLog, run_steps
     from spotline.plan.sampler import GlobalSampler
     from spotline.runtime import (
@@ -76,6 +82,9 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
         model=module, config=deepspeed_config_for(cfg.deepspeed, num_pipelines=cfg.num_pipelines)
     )
     setup_s = time.perf_counter() - t_setup
+    profile = InstructionProfile() if profile_dir() else None
+    if profile is not None:
+        instrument(engine, profile)
     sampler = GlobalSampler(
         num_samples=len(corpus),
         num_logical_workers=cfg.num_pipelines,
@@ -103,6 +112,8 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
     wall_s = run_steps(train_step, start=0, stop=sl.training.steps, hooks=[log]).wall_s
     losses = list(log.losses.values())
     step_times = list(log.step_times.values())
+    if profile is not None:
+        write_profile(profile, f"stock-rank{rank}")
 
     mine = torch.tensor([peak_rss_mib()], dtype=torch.float64)
     gathered = [torch.zeros_like(mine) for _ in range(world_size)]

@@ -1,0 +1,1 @@
+../../integration/instruction_profile.py
