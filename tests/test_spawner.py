@@ -104,3 +104,35 @@ def test_a_preloaded_module_that_fails_to_import_is_reported(tmp_path) -> None:
         sp.start("w", "json.tool", [], dict(os.environ), tmp_path / "w.log")
     sp.close()
     assert "No module named 'no_such_module_here'" in (tmp_path / "spawner.log").read_text()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_whose_zygote_was_killed_is_waited_for_without_spinning(tmp_path) -> None:
+    """The zygote killed (its machine's processes killed by hand, or in another order than
+    the agent's): no exit comes on its pipe, whose end select reports at once. poll() and
+    wait() then ask the kernel for the pid: a live worker reads as running, a gone one as
+    killed, and wait() returns (it spun on the pipe's end forever, at 80% of a core)."""
+    from spotline.launch.control.spawner import LOST_EXIT_CODE
+
+    (tmp_path / "spawn_child.py").write_text(CHILD)
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    sp = Spawner(["json"], env, tmp_path / "spawner.log")
+    child = sp.start("w", "spawn_child", ["sleep"], env, tmp_path / "w.log")
+    try:
+        sp._zygote.kill()
+        sp._zygote.wait(timeout=30)
+        assert child.poll() is None  # running still
+        with pytest.raises(subprocess.TimeoutExpired):
+            child.wait(timeout=0.3)
+        start = os.times()
+        os.kill(child.pid, signal.SIGKILL)
+        assert child.wait(timeout=30) == LOST_EXIT_CODE
+        assert sp.zygote_gone
+        assert child.poll() == LOST_EXIT_CODE
+        # Waited by sleeping, not by spinning on the pipe (CPU seconds, not wall time).
+        used = os.times()
+        assert used.user + used.system - start.user - start.system < 0.5
+    finally:
+        if child.returncode is None:
+            os.kill(child.pid, signal.SIGKILL)
+        sp.close()

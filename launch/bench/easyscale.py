@@ -127,6 +127,10 @@ def bench_easyscale(settings: BenchSettings, workers: int) -> dict[str, Any]:
                 "logical_workers": k,
                 "one_process_mib": max(one["peak_rss_mib_per_rank"]),
                 "k_processes_mib": sum(many["peak_rss_mib_per_rank"]),
+                # k logical workers in turn on one process, against k processes at once
+                # (on this host's cores): the price of running the topology on fewer.
+                "one_process_step_s": one["step_time_s"],
+                "k_processes_step_s": many["step_time_s"],
                 "same_hash": one["param_sha256"] == many["param_sha256"],
             }
         )
@@ -180,6 +184,7 @@ def format_easyscale(report: dict[str, Any]) -> str:
         lines.append(
             f"  memory     {row['logical_workers']} logical workers: one process "
             f"{row['one_process_mib']:.0f} MiB, {row['logical_workers']} processes "
-            f"{row['k_processes_mib']:.0f} MiB (same hash: {row['same_hash']})"
+            f"{row['k_processes_mib']:.0f} MiB; step {row['one_process_step_s'] * 1000:.0f} ms vs "
+            f"{row['k_processes_step_s'] * 1000:.0f} ms (same hash: {row['same_hash']})"
         )
     return "\n".join(lines)

@@ -42,6 +42,10 @@ from pathlib import Path
 from typing import IO
 
 REAP_POLL_S = 0.02
+# The exit code a worker gets when the zygote that would have reported it is gone (killed
+# with its agent's machine, or by hand): the code cannot be known; the worker reads as
+# killed, which is how its peers and the coordinator treat a worker that vanished.
+LOST_EXIT_CODE = -signal.SIGKILL
 
 
 @dataclass
@@ -55,6 +59,8 @@ class ForkedProcess:
 
     def poll(self) -> int | None:
         self._spawner.read_replies(0.0)
+        if self.returncode is None and self._spawner.zygote_gone and not _exists(self.pid):
+            self.returncode = LOST_EXIT_CODE
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -63,7 +69,13 @@ class ForkedProcess:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
-            self._spawner.read_replies(REAP_POLL_S if left is None else min(left, REAP_POLL_S))
+            pause = REAP_POLL_S if left is None else min(left, REAP_POLL_S)
+            if self._spawner.zygote_gone:
+                # Nothing more will come on the pipe (select returns at once on its end):
+                # wait for the pid itself, without spinning.
+                time.sleep(pause)
+            else:
+                self._spawner.read_replies(pause)
         assert self.returncode is not None
         return self.returncode
 
@@ -102,6 +114,8 @@ class Spawner:
         self._by_pid: dict[int, ForkedProcess] = {}
         self._started: dict[str, int] = {}
         self.ready = False  # the zygote has imported its modules
+        # The zygote's pipe reached its end: no exit will be reported from now on.
+        self.zygote_gone = False
 
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until the zygote has imported its modules (a start is a fork from then on:
@@ -147,6 +161,7 @@ class Spawner:
             return False
         chunk = os.read(self._replies.fileno(), 65536)
         if not chunk:
+            self.zygote_gone = True
             return False
         self._buffer += chunk
         *lines, self._buffer = self._buffer.split(b"\n")
@@ -171,6 +186,18 @@ class Spawner:
             self._zygote.kill()
             self._zygote.wait()
         self._replies.close()
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` is still a process (a worker whose zygote is gone is init's child,
+    and init reaps it at once)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process now holds the pid
+        return False
+    return True
 
 
 def _run_child(request: dict[str, object]) -> None:
