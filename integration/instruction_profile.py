@@ -10,7 +10,6 @@ pipeline's bubbles show there. Unset, nothing is wrapped. Pure: no torch.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable, Mapping
@@ -80,9 +79,8 @@ def instrument(engine: Any, profile: InstructionProfile) -> None:
 
 def write_profile(profile: InstructionProfile, name: str) -> None:
     """``<folder>/<name>.json`` (replaced whole: a later generation adds to the figures)."""
+    from spotline.tracking import write_json_atomic
+
     folder = profile_dir()
     assert folder is not None, "write_profile without SPOTLINE_INSTRUCTION_PROFILE"
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{name}.json.tmp"
-    tmp.write_text(json.dumps(profile.to_json(), indent=1, sort_keys=True))
-    os.replace(tmp, folder / f"{name}.json")
+    write_json_atomic(folder / f"{name}.json", profile.to_json())

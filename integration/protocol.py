@@ -79,7 +79,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, get_args
 
 from spotline.plan.layout import Holding, Layout, WorkerReport
@@ -405,16 +405,7 @@ class ModelStateBytes:
         return ModelStateBytes(**{k: max(v, theirs[k]) for k, v in mine.items()})
 
     def to_json(self) -> dict[str, int]:
-        return {
-            "parameters": self.parameters,
-            "gradients": self.gradients,
-            "optimizer": self.optimizer,
-            "replica_parameters": self.replica_parameters,
-            "replica_gradients": self.replica_gradients,
-            "replica_optimizer": self.replica_optimizer,
-            "stash": self.stash,
-            "eager_graph": self.eager_graph,
-        }
+        return asdict(self)
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> ModelStateBytes:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from spotline.instruction_profile import PROFILE_ENV, InstructionProfile
-from spotline.launch.bench.foundation import VARIANT_FLAGS, run_stock
+from spotline.launch.bench.foundation import FOUNDATION_VARIANTS, VARIANT_FLAGS, run_stock
 from spotline.launch.bench.jobs import (
     BenchSettings,
     machine_info,
@@ -24,7 +24,7 @@ from spotline.launch.bench.jobs import (
     write_config,
 )
 
-PROFILE_VARIANTS = ("spotline", "spotline-off", "stock")
+PROFILE_VARIANTS = FOUNDATION_VARIANTS
 
 
 def read_profiles(folder: Path) -> list[InstructionProfile]:
