@@ -71,6 +71,7 @@ from spotline.protocol import (
     FINAL_HASH_KEY,
     CheckpointWriteError,
     EvalResult,
+    GenerationSetup,
     ModelStateBytes,
     Outcome,
     Plan,
@@ -366,6 +367,8 @@ class ElasticWorker:
         self._lw_count = 0
         self.seconds_per_logical_worker: float | None = None
         self.rebalances: list[Rebalance] = []  # moves within a generation (rank 0)
+        self.setups: list[GenerationSetup] = []
+        self._state_bytes = 0  # sent and received by this generation's state load
         self._measuring = False
         self.error: str | None = None
         self._engine: RedundantPipelineEngine | None = None  # the generation's, while it runs
@@ -557,6 +560,7 @@ class ElasticWorker:
             ),
             rebalances=tuple(self.rebalances),
             model_state=self.model_state,
+            setups=tuple(self.setups),
         )
         report = Report(
             worker=self.wid,
@@ -587,13 +591,26 @@ class ElasticWorker:
         self.error = None
         try:
             self._join_process_group(generation, rank, world)
+            joined = time.perf_counter()
             # Every group's pairs connected at its creation: see spotline.group_setup.
             with connected_new_groups(self._collective_timeout()):
                 engine = self._build_engine(layout)
+            built = time.perf_counter()
             assert plan.logical is not None  # a plan with a layout assigns logical workers
             self._place_logical_workers(engine, plan.logical)
+            self._state_bytes = 0
             self._load_state(engine, layout, plan)
-            self.store.set(ready_key(generation, self.wid), repr(time.perf_counter() - t0))
+            loaded = time.perf_counter()
+            self.setups.append(
+                GenerationSetup(
+                    generation,
+                    join_s=joined - t0,
+                    build_s=built - joined,
+                    state_s=loaded - built,
+                    state_bytes=self._state_bytes,
+                )
+            )
+            self.store.set(ready_key(generation, self.wid), repr(loaded - t0))
             outcome = self._train(engine, generation, resume)
         except NonFiniteGradient as exc:
             # Every rank raises it (the exact reduction's flags are all-reduced) before the
@@ -768,6 +785,7 @@ class ElasticWorker:
                     ops.append(dist.P2POp(dist.irecv, buf, layout.rank_of(src)))
                     incoming.append((stage, buf))
         if ops:
+            self._state_bytes += sum(op.tensor.nbytes for op in ops)
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
         for stage, buf in incoming:
@@ -795,6 +813,7 @@ class ElasticWorker:
         flat_in = torch.empty(sum(packed_numel(rep_names[s]) for s in sorted(rep_names)))
         pred = engine._peer(engine.stage_id - 1)
         succ = engine._peer(engine.stage_id + 1)
+        self._state_bytes += flat_out.nbytes + flat_in.nbytes
         for work in dist.batch_isend_irecv(
             [dist.P2POp(dist.isend, flat_out, pred), dist.P2POp(dist.irecv, flat_in, succ)]
         ):

@@ -378,6 +378,38 @@ class ReplicaMismatch:
 
 
 @dataclass(frozen=True)
+class GenerationSetup:
+    """How long a worker took to set generation ``generation`` up, phase by phase (seconds,
+    its own clock): ``join_s`` the gloo group, ``build_s`` the engine (the model built and
+    DeepSpeed's engine around it), ``state_s`` the state loaded into it (its own stages
+    from memory or received from their holders, and the replica received from its
+    successor); ``state_bytes`` what it sent and received for that state."""
+
+    generation: int
+    join_s: float
+    build_s: float
+    state_s: float
+    state_bytes: int
+
+    @property
+    def total_s(self) -> float:
+        return self.join_s + self.build_s + self.state_s
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: Mapping[str, Any]) -> GenerationSetup:
+        return cls(
+            int(raw["generation"]),
+            float(raw["join_s"]),
+            float(raw["build_s"]),
+            float(raw["state_s"]),
+            int(raw["state_bytes"]),
+        )
+
+
+@dataclass(frozen=True)
 class ModelStateBytes:
     """A rank's model state in bytes, counted from its tensors (``spotline.memory``).
 
@@ -418,7 +450,8 @@ class WorkerStats:
 
     ``train_start_t``/``train_end_t``: wall-clock (``time.time()``) start of its first step
     and end of its last one (None: it never trained); ``seconds_per_logical_worker``: its
-    measured speed (None: never measured)."""
+    measured speed (None: never measured); ``setups``: each generation it set up as a
+    member, phase by phase."""
 
     train_start_t: float | None = None
     train_end_t: float | None = None
@@ -429,6 +462,7 @@ class WorkerStats:
     seconds_per_logical_worker: float | None = None
     rebalances: tuple[Rebalance, ...] = ()
     model_state: ModelStateBytes = ModelStateBytes()
+    setups: tuple[GenerationSetup, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -476,6 +510,7 @@ class Report:
             "seconds_per_logical_worker": st.seconds_per_logical_worker,
             "rebalances": [r.to_json() for r in st.rebalances],
             "model_state_bytes": st.model_state.to_json(),
+            "setups": [g.to_json() for g in st.setups],
             "error": self.error,
         }
 
@@ -494,6 +529,7 @@ class Report:
             seconds_per_logical_worker=raw["seconds_per_logical_worker"],
             rebalances=tuple(Rebalance.from_json(r) for r in raw["rebalances"]),
             model_state=ModelStateBytes.from_json(raw["model_state_bytes"]),
+            setups=tuple(GenerationSetup.from_json(g) for g in raw["setups"]),
         )
         return cls(
             worker=str(raw["worker"]),

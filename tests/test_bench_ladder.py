@@ -89,3 +89,36 @@ def test_model_state_peak_and_json() -> None:
     assert (peak.parameters, peak.gradients, peak.stash, peak.eager_graph) == (10, 10, 7, 3)
     assert peak.total == 30
     assert ModelStateBytes.from_json(peak.to_json()) == peak
+
+
+def test_a_takeover_is_split_into_redo_setup_and_state() -> None:
+    from spotline.launch.bench.takeover import takeover_phases
+
+    def setup(generation: int, join: float, build: float, state: float, nbytes: int) -> dict:
+        return {
+            "generation": generation,
+            "join_s": join,
+            "build_s": build,
+            "state_s": state,
+            "state_bytes": nbytes,
+        }
+
+    summary = {
+        "recovery_events": [{"generation": 1, "resume_step": 2, "recovery_s": 3.0}],
+        "step_times_s": [0.5, 0.5, 1.25, 0.5],
+        "generation_setups": {
+            # Generation 0 is not the takeover's; the slowest member of each phase is.
+            "w0": [setup(0, 9.0, 9.0, 9.0, 1), setup(1, 0.25, 0.5, 0.75, 100)],
+            "w2": [setup(0, 9.0, 9.0, 9.0, 1), setup(1, 0.5, 0.25, 0.5, 60)],
+        },
+    }
+    assert takeover_phases(summary) == {
+        "recovery_s": 3.0,
+        "redo_s": 1.25,
+        "takeover_s": 1.75,
+        "join_s": 0.5,
+        "build_s": 0.5,
+        "state_s": 0.75,
+        "over_state_s": 1.0,
+        "state_bytes": 160.0,
+    }

@@ -15,6 +15,8 @@ from spotline.protocol import (
     FINAL_HASH_KEY,
     KEY_PREFIXES,
     CheckpointWriteError,
+    GenerationSetup,
+    ModelStateBytes,
     Plan,
     Rebalance,
     ReplicaMismatch,
@@ -169,6 +171,11 @@ def test_report_json_round_trip() -> None:
             replica_sync_s=0.25,
             seconds_per_logical_worker=0.1,
             rebalances=(Rebalance(4, ((0, 1), (2,))),),
+            model_state=ModelStateBytes(parameters=40, optimizer=80, replica_parameters=40),
+            setups=(
+                GenerationSetup(0, join_s=0.5, build_s=1.25, state_s=0.0, state_bytes=0),
+                GenerationSetup(2, join_s=0.25, build_s=1.0, state_s=0.5, state_bytes=4096),
+            ),
         ),
         error="RuntimeError: a peer is gone",
     )

@@ -70,6 +70,23 @@ def test_sigkill_mid_step_is_taken_over_from_memory(
     (event,) = summary["recovery_events"]
     assert event["recovery_s"] > 0
     assert all(loss is not None for loss in summary["losses"])
+    # Every member set the recovery's generation up phase by phase, and moved state for it
+    # (each receives its replica from its successor); the takeover bench splits on these.
+    from spotline.launch.bench.takeover import takeover_phases
+
+    g = event["generation"]
+    setups = {
+        w: {entry["generation"]: entry for entry in entries}
+        for w, entries in summary["generation_setups"].items()
+    }
+    assert all(0 in gens for gens in setups.values())
+    members = [w for w, gens in setups.items() if g in gens]
+    assert 2 <= len(members) <= 3, setups
+    assert all(setups[w][g]["state_bytes"] > 0 for w in members), setups
+    phases = takeover_phases(summary)
+    assert phases["recovery_s"] == event["recovery_s"]
+    assert phases["redo_s"] == summary["step_times_s"][event["resume_step"]]
+    assert phases["state_s"] == max(setups[w][g]["state_s"] for w in members)
     # Exposure checkpoints (spotline.plan.exposure): 2x2 is down to one pipeline, each
     # stage on two workers, so the new generation's first committed step is checkpointed;
     # 1x4 was exposed from the start (a start is no first exposure): nothing is. One loss

@@ -115,7 +115,10 @@ def _recovery(report: dict[str, Any]) -> dict[str, Spread]:
 
 
 def _takeover(report: dict[str, Any]) -> dict[str, Spread]:
-    return {"takeover s (kill to next committed step)": report["recovery_s"]}
+    return {
+        "takeover s (noticed to next committed step)": report["recovery_s"],
+        "takeover s over its state time (redo left out)": report["over_state_s"],
+    }
 
 
 HEADLINES: dict[str, Callable[[dict[str, Any]], dict[str, Spread]]] = {

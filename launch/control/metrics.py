@@ -350,6 +350,11 @@ class RunMetrics:
             # Counted from the tensors at each step's commit point, peak per kind
             # (spotline.memory); RSS above also holds the interpreter and the allocator's caches.
             "model_state_bytes_per_rank": [st.model_state.to_json() for st in stats],
+            # Each worker's generations as it set them up: the gloo group, the engine, the
+            # state (from memory, a peer or the replica ring) and the bytes that moved.
+            "generation_setups": {
+                w: [g.to_json() for g in st.setups] for w, st in sorted(self.worker_stats.items())
+            },
             "replica_checks": max((st.replica_checks for st in stats), default=0),
             "replica_mismatches": mismatches,
             "preemptions": self.preemptions,
