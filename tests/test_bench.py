@@ -104,6 +104,9 @@ def test_per_worker_summaries_become_per_rank_lists() -> None:
         ["reduce", "--model", "no-such-model"],
         ["takeover", "--kill-at", "0"],
         ["takeover", "--steps", "5", "--kill-at", "5"],
+        ["foundation", "--stages", "3"],
+        ["profile", "--stages", "four"],
+        ["takeover", "--stages", "4"],
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(

@@ -2,12 +2,13 @@
 
     spotline bench foundation [--steps 30] [--repeats 3] [--output runs/bench]
     spotline bench foundation --model gpt2-big     (or --ladder gpt2: tiny, mid, big)
+    spotline bench foundation --stages 4           (4 stages x 1 pipeline; default 2 x 2)
     spotline bench redundancy [--steps 30] [--repeats 3] [--cases 2x2,2x4,4x4]
     spotline bench recovery --trace FILE [--time-scale 60] [--max-workers 3]
     spotline bench reduce [--elements 1000000] [--ranks 2] [--logical-workers 4]
     spotline bench easyscale [--workers 2]
     spotline bench takeover [--kill-at 5]
-    spotline bench profile [--model gpt2-big]
+    spotline bench profile [--model gpt2-big] [--stages 2]
     spotline bench cluster [--steps 8] [--repeats 3] [--victim w1] [--kill-after 2]
     spotline bench cluster-replay [--trace FILE] [--machines 4] [--time-scale 30]
                                   [--steps 200] [--repeats 1] [--calibration FILE]
@@ -39,7 +40,12 @@ from spotline.launch.bench.cluster_replay import (
     format_cluster_replay,
 )
 from spotline.launch.bench.easyscale import bench_easyscale, format_easyscale
-from spotline.launch.bench.foundation import bench_foundation, format_foundation
+from spotline.launch.bench.foundation import (
+    FOUNDATION_STAGES,
+    FOUNDATION_WORKERS,
+    bench_foundation,
+    format_foundation,
+)
 from spotline.launch.bench.jobs import BenchSettings, run_guarded
 from spotline.launch.bench.ladder import (
     LADDER_BENCHES,
@@ -121,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="{foundation,redundancy,recovery,reduce,easyscale,takeover,profile,cluster,"
         "cluster-replay}",
     )
-    sub.add_parser(
+    foundation = sub.add_parser(
         "foundation", parents=[common], help="Spotline vs stock DeepSpeed PipelineEngine"
     )
     redundancy = sub.add_parser(
@@ -190,11 +196,19 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument(
         "--transfer-repeats", type=int, default=5, help="transfers per path (default 5)"
     )
-    sub.add_parser(
+    profile = sub.add_parser(
         "profile",
         parents=[common],
         help="seconds per step by schedule instruction: Spotline (lazy, off) and stock",
     )
+    for four_workers in (foundation, profile):
+        four_workers.add_argument(
+            "--stages",
+            type=int,
+            choices=FOUNDATION_STAGES,
+            default=2,
+            help=f"pipeline stages of the {FOUNDATION_WORKERS} workers (default %(default)s)",
+        )
     takeover = sub.add_parser(
         "takeover",
         parents=[common],
@@ -270,7 +284,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 def run_bench(args: argparse.Namespace, settings: BenchSettings) -> tuple[dict[str, Any], str]:
     """One benchmark on ``settings``: its report and its table."""
     if args.bench == "foundation":
-        report = bench_foundation(settings)
+        report = bench_foundation(settings, args.stages)
         return report, format_foundation(report)
     if args.bench == "recovery":
         report = bench_recovery(settings, args.trace, args.time_scale, args.max_workers)
@@ -299,7 +313,7 @@ def run_bench(args: argparse.Namespace, settings: BenchSettings) -> tuple[dict[s
         )
         return report, format_cluster_replay(report)
     if args.bench == "profile":
-        report = bench_profile(settings)
+        report = bench_profile(settings, args.stages)
         return report, format_profile(report)
     if args.bench == "takeover":
         report = bench_takeover(settings, args.kill_at)

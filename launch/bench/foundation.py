@@ -1,8 +1,9 @@
 """``spotline bench foundation``: Spotline's engine against DeepSpeed's stock ``PipelineEngine``.
 
 ``spotline train`` against the same model, batches and steps trained by DeepSpeed's stock
-``PipelineEngine`` (the rank worker :mod:`spotline.launch.bench.stock_worker`), on the default
-2 stages x 2 pipelines, interleaved rounds; medians and the ratios Spotline / stock.
+``PipelineEngine`` (the rank worker :mod:`spotline.launch.bench.stock_worker`), on 4 workers:
+2 stages x 2 pipelines by default, 4 stages x 1 pipeline with ``--stages 4``; interleaved
+rounds; medians and the ratios Spotline / stock.
 """
 
 from __future__ import annotations
@@ -45,16 +46,26 @@ def run_stock(
 # (what the stock engine does, with Spotline's commit point, exact reduction and seeding).
 FOUNDATION_VARIANTS = ("spotline", "spotline-off", "stock")
 VARIANT_FLAGS = {"spotline": [], "spotline-off": ["--redundancy", "off"]}
+# Four processes whatever the stages (what this machine's cores can time fairly): the
+# topologies --stages chooses between.
+FOUNDATION_WORKERS = 4
+FOUNDATION_STAGES = (2, 4)
+
+
+def topology_overrides(stages: int) -> dict[str, int]:
+    """The config overrides of ``--stages``: FOUNDATION_WORKERS workers in ``stages`` stages."""
+    assert stages in FOUNDATION_STAGES, stages  # argparse's choices
+    return {"spotline.topology.workers": FOUNDATION_WORKERS, "spotline.topology.stages": stages}
+
+
 FOUNDATION_KEYS = ("samples_per_s", "step_time_s", "wall_s", "setup_s", "final_loss", "process_s")
 
 
-def bench_foundation(settings: BenchSettings) -> dict[str, Any]:
-    """Spotline's engine vs DeepSpeed's stock engine on the default 2 stages x 2 pipelines."""
+def bench_foundation(settings: BenchSettings, stages: int = 2) -> dict[str, Any]:
+    """Spotline's engine vs DeepSpeed's stock engine on 4 workers in ``stages`` stages."""
     from spotline.launch.bench.stock_worker import TIED_COPY_NOTE
 
-    cfg = resolve_base_config(
-        settings, {"spotline.topology.workers": 4, "spotline.topology.stages": 2}
-    )
+    cfg = resolve_base_config(settings, topology_overrides(stages))
     work = settings.output / "foundation"
     config = write_config(cfg, work / "config.json")
     info_before = machine_info()

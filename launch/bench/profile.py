@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from spotline.instruction_profile import PROFILE_ENV, InstructionProfile
-from spotline.launch.bench.foundation import FOUNDATION_VARIANTS, VARIANT_FLAGS, run_stock
+from spotline.launch.bench.foundation import (
+    FOUNDATION_VARIANTS,
+    VARIANT_FLAGS,
+    run_stock,
+    topology_overrides,
+)
 from spotline.launch.bench.jobs import (
     BenchSettings,
     machine_info,
@@ -42,10 +47,8 @@ def mean_per_step(profiles: list[InstructionProfile]) -> dict[str, float]:
     return {n: sum(p.per_step().get(n, 0.0) for p in profiles) / len(profiles) for n in names}
 
 
-def bench_profile(settings: BenchSettings) -> dict[str, Any]:
-    cfg = resolve_base_config(
-        settings, {"spotline.topology.workers": 4, "spotline.topology.stages": 2}
-    )
+def bench_profile(settings: BenchSettings, stages: int = 2) -> dict[str, Any]:
+    cfg = resolve_base_config(settings, topology_overrides(stages))
     work = settings.output / "profile"
     config = write_config(cfg, work / "config.json")
     variants: dict[str, Any] = {}
