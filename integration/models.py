@@ -575,6 +575,7 @@ def build_pipeline_module(
     activation_checkpoint_interval: int = 0,
     topology: Any = None,
     parts: Sequence[int] | None = None,
+    layer_specs: list[LayerSpec] | None = None,
 ) -> PipelineModule:
     """The model as a DeepSpeed PipelineModule over ``num_stages`` stages.
 
@@ -583,6 +584,7 @@ def build_pipeline_module(
     logical partition into ``num_stages`` stages). Activation checkpointing applies to the
     transformer blocks only (the reentrant checkpoint cannot take the integer token ids), so
     a whole model (no family; one layer taking the token ids) is never checkpointed.
+    ``layer_specs``: the layers, one for one those of :func:`build_layer_specs` (default).
     """
     if num_stages < 1:
         raise UserError(f"--stages {num_stages}: use at least 1 stage")
@@ -591,7 +593,12 @@ def build_pipeline_module(
         raise ValueError(
             f"topology has {topology.get_dim('pipe')} pipeline stages, num_stages is {num_stages}"
         )
-    specs = build_layer_specs(hf_config, seed=seed, pretrained_dir=pretrained_dir)
+    specs = (
+        layer_specs
+        if layer_specs is not None
+        else build_layer_specs(hf_config, seed=seed, pretrained_dir=pretrained_dir)
+    )
+    assert len(specs) == num_layers(hf_config), (len(specs), num_layers(hf_config))
     module = PlacedPipelineModule(
         layers=specs,
         num_stages=None if topology is not None else num_stages,

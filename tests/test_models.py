@@ -537,3 +537,25 @@ def test_a_whole_model_trains_as_the_transformers_reference(dist_world, tmp_path
     assert losses == reference["losses"]
     digest = param_sha256(models.drop_tied_aliases(hf_params, worker.hf_config))
     assert digest == reference["param_sha256"]
+
+
+def test_the_stock_baseline_ties_the_head_the_deepspeed_way(dist_world):
+    # The foundation bench's stock model: DeepSpeed's TiedLayerSpec at both ends of a tied
+    # model (one module on one stage), so it is the HF model exactly and DeepSpeed's
+    # ReduceTiedGrads has the tied weight to all-reduce on more stages. Untied: unchanged.
+    from deepspeed.pipe import TiedLayerSpec
+
+    from spotline.launch.bench.stock_worker import TIED_KEY, deepspeed_tied
+
+    cfg = models.load_hf_config("gpt2-tiny", NO_DROPOUT["gpt2-tiny"])
+    specs = deepspeed_tied(models.build_layer_specs(cfg, seed=SEED))
+    assert [s.key for s in specs if isinstance(s, TiedLayerSpec)] == [TIED_KEY, TIED_KEY]
+    module = models.build_pipeline_module(cfg, 1, seed=SEED, layer_specs=specs)
+    assert sorted(module.tied_modules) == [TIED_KEY]
+    ref = models.reference_model(cfg, SEED)
+    tokens = _tokens()
+    logits = module(tokens[:, :-1])
+    assert torch.equal(logits, ref(tokens[:, :-1]).logits)
+    untied = models.load_hf_config("neox-tiny", NO_DROPOUT["neox-tiny"])
+    plain = models.build_layer_specs(untied, seed=SEED)
+    assert deepspeed_tied(plain) is plain

@@ -63,7 +63,7 @@ FOUNDATION_KEYS = ("samples_per_s", "step_time_s", "wall_s", "setup_s", "final_l
 
 def bench_foundation(settings: BenchSettings, stages: int = 2) -> dict[str, Any]:
     """Spotline's engine vs DeepSpeed's stock engine on 4 workers in ``stages`` stages."""
-    from spotline.launch.bench.stock_worker import TIED_COPY_NOTE
+    from spotline.launch.bench.stock_worker import TIED_NOTE
 
     cfg = resolve_base_config(settings, topology_overrides(stages))
     work = settings.output / "foundation"
@@ -121,7 +121,7 @@ def bench_foundation(settings: BenchSettings, stages: int = 2) -> dict[str, Any]
         "statistic": "median over rounds (per rank for memory); ratios are spotline / stock",
         "variants": variants,
         "ratio_spotline_over_stock": ratios,
-        "note": TIED_COPY_NOTE,
+        "note": TIED_NOTE,
         "machine": {"before": info_before, "after": machine_info()},
     }
 
