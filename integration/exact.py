@@ -21,9 +21,23 @@ element (rounding), far below float32's own resolution of the largest gradient. 
 non-finite gradient (NaN or Inf) is detected before anything is scaled and reported with
 the logical worker that produced it, on every process; it is never folded into the sum.
 
-Costs: one int32 MAX all-reduce (a non-finite flag per logical worker and an exponent per
-block) and one int64 all-reduce of the gradient (8 bytes an element, 2x a float32 all-reduce), whatever the number of logical
-workers a process hosts. Works on gloo and NCCL (both reduce int64).
+Step 3 runs one of two ways, chosen from how many logical workers each process hosts (the
+MAX all-reduce carries those counts too, so every process chooses alike), with the same
+integers summed and so the same bits:
+
+- **sharded** (every process hosts at most ``SHARDED_MAX_HOSTED``): each process sends
+  its logical workers' float32 gradients, shard by shard, to the shard's owner (one
+  all-to-all); the owner converts every logical worker's values of its shard, sums the
+  integers and converts back; one all-gather of the float32 sums. ``(k + 1) (P - 1) / P``
+  float32 values an element sent per process hosting k, against a float ring
+  all-reduce's ``2 (P - 1) / P``: the same bytes when each process hosts one, and each
+  process converts back only its shard;
+- **ring**: the int64 sums all-reduced (``2 (P - 1) / P`` int64 values an element sent
+  per process, twice a float32 all-reduce's bytes, whatever the number hosted).
+
+Costs besides: one int32 MAX all-reduce (a non-finite flag per logical worker, an exponent
+per block and a count per process). Works on gloo and NCCL (both reduce int64 and run
+all-to-all).
 """
 
 from __future__ import annotations
@@ -43,6 +57,10 @@ BLOCK = 4096
 CHUNK = 256 * BLOCK
 # Chunks whose all-reduce may be outstanding at once (a few chunk buffers, reused).
 IN_FLIGHT = 2
+# The sharded step 3 while every process hosts at most this many logical workers: it sends
+# (k + 1) float32 values per element where the ring sends 2 int64 (4 float32's bytes), and
+# converts back only a process's shard; at 3 the bytes are equal, the conversions fewer.
+SHARDED_MAX_HOSTED = 3
 # Blocks whose gradients are all zero get this exponent: any value works, zero stays zero.
 _ZERO_BLOCK_EXPONENT = -126
 
@@ -177,19 +195,144 @@ def exact_sum(
         if not bool(torch.isfinite(worker_max).all()):
             bad[worker] = 1
     exponent = _exponents(torch.nan_to_num(maxima.amax(dim=0), nan=0.0, posinf=0.0))
+    hosted: list[int] = [len(flats)]
     if distributed:
-        # One MAX all-reduce carries both: the flags and the blocks' exponents.
-        both = torch.cat([bad, exponent])
+        # One MAX all-reduce carries them all: the flags, the blocks' exponents and how many
+        # logical workers each process hosts (its own entry set, the others' zero).
+        processes = dist.get_world_size(group)
+        counts = torch.zeros(processes, dtype=torch.int32)
+        counts[dist.get_rank(group)] = len(flats)
+        both = torch.cat([bad, exponent, counts])
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        bad, exponent = both[:num_logical_workers], both[num_logical_workers:]
+        bad = both[:num_logical_workers]
+        exponent = both[num_logical_workers : both.numel() - processes]
+        hosted = [int(c) for c in both[both.numel() - processes :]]
+        assert sum(hosted) == num_logical_workers, (hosted, num_logical_workers)
     if bool(bad.any()):
         raise NonFiniteGradient([i for i in range(num_logical_workers) if bad[i]])
     bits = fraction_bits(num_logical_workers)
     shift = bits - exponent.to(torch.int64)  # scale each block by 2**(F - e)
     result = torch.empty(numel, dtype=torch.float32) if out is None else out
     assert result.shape == (numel,) and result.dtype == torch.float32, "out: flat float32"
-    _fixed_point_sum(flats, shift, result, group if distributed else None, distributed, scale)
+    if distributed and len(hosted) > 1 and max(hosted) <= SHARDED_MAX_HOSTED:
+        _sharded_fixed_point_sum(flats, shift, result, group, hosted, scale)
+    else:
+        _fixed_point_sum(flats, shift, result, group if distributed else None, distributed, scale)
     return result.to(dtype).view(shape)
+
+
+def bytes_sent_per_process(numel: int, hosted: Sequence[int]) -> int:
+    """What the busiest process sends for the sum of ``numel`` elements, ``hosted[i]``
+    logical workers on process i (the MAX all-reduce's few values left out): the sharded
+    or the ring step 3, whichever :func:`exact_sum` takes."""
+    processes = len(hosted)
+    if processes == 1:
+        return 0
+    if max(hosted) <= SHARDED_MAX_HOSTED:
+        return 4 * (max(hosted) + 1) * numel * (processes - 1) // processes
+    return 8 * 2 * numel * (processes - 1) // processes
+
+
+def _to_float(fixed: torch.Tensor, shift: torch.Tensor, out: torch.Tensor, scale: float) -> None:
+    """Step 4 into ``out``: the integer sums rounded to float32 once, the power of two
+    undone, times ``scale``."""
+    _scaled(fixed.to(torch.float32), -shift, out=out)
+    if scale != 1.0:
+        out.mul_(scale)
+
+
+def _block_shift(shift: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """The shifts of the blocks elements ``start..stop`` lie in (``start`` block-aligned)."""
+    assert start % BLOCK == 0, start
+    return shift[start // BLOCK : (stop + BLOCK - 1) // BLOCK]
+
+
+def _sharded_fixed_point_sum(
+    flats: Sequence[torch.Tensor],
+    shift: torch.Tensor,
+    result: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    hosted: Sequence[int],
+    scale: float,
+) -> None:
+    """Steps 2-4 sharded over the processes, a chunk at a time (see the module's text).
+
+    A chunk is ``P`` shards of ``S`` whole blocks (the last chunk's shards may be shorter
+    or empty); shard j belongs to process j. One all-to-all gives each owner every logical
+    worker's float32 values of its shard, as ``hosted[i]`` consecutive runs from process i;
+    it sums their integers, converts back into its part of ``result``, and one all-gather
+    gives everyone every part. The next chunk's all-to-all runs while this one converts."""
+    processes, me = len(hosted), dist.get_rank(group)
+    mine = len(flats)
+    numel = result.numel()
+    shard = max(1, CHUNK // (processes * BLOCK)) * BLOCK
+    chunk = processes * shard
+
+    def bounds(start: int) -> list[tuple[int, int]]:
+        stop = min(start + chunk, numel)
+        los = [min(start + j * shard, stop) for j in range(processes)]
+        return [(lo, min(lo + shard, stop)) for lo in los]
+
+    def scatter(start: int) -> tuple[dist.Work, torch.Tensor, list[tuple[int, int]]]:
+        parts = bounds(start)
+        lo, hi = parts[0][0], parts[-1][1]
+        if mine == 1:
+            # Its shards lie in destination order already: sent as they are.
+            send = flats[0][lo:hi]
+        else:
+            send = torch.cat([flat[a:b] for a, b in parts for flat in flats])
+        own = parts[me][1] - parts[me][0]
+        recv = torch.empty(sum(hosted) * own, dtype=torch.float32)
+        work = dist.all_to_all_single(
+            recv,
+            send,
+            output_split_sizes=[k * own for k in hosted],
+            input_split_sizes=[mine * (b - a) for a, b in parts],
+            group=group,
+            async_op=True,
+        )
+        assert work is not None
+        return work, recv, parts
+
+    gathers: deque[tuple[dist.Work, list[tuple[int, int]], list[torch.Tensor] | None]] = deque()
+
+    def finish_gather() -> None:
+        work, parts, padded = gathers.popleft()
+        work.wait()
+        if padded is not None:  # a ragged chunk went through equal-sized buffers
+            for (a, b), buf in zip(parts, padded, strict=True):
+                if b > a:
+                    result[a:b].copy_(buf[: b - a])
+
+    starts = list(range(0, numel, chunk))
+    ahead = scatter(starts[0])
+    for index in range(len(starts)):
+        work, recv, parts = ahead
+        if index + 1 < len(starts):
+            ahead = scatter(starts[index + 1])
+        work.wait()
+        lo, hi = parts[me]
+        own = hi - lo
+        if own:
+            sh = _block_shift(shift, lo, hi)
+            fixed = _to_fixed(recv[:own], sh)
+            for c in range(1, sum(hosted)):
+                fixed += _to_fixed(recv[c * own : (c + 1) * own], sh)
+            _to_float(fixed, sh, result[lo:hi], scale)
+        if all(b - a == shard for a, b in parts):
+            outputs = [result[a:b] for a, b in parts]
+            padded = None
+        else:
+            padded = [torch.empty(shard, dtype=torch.float32) for _ in parts]
+            padded[me][:own].copy_(result[lo:hi])
+            outputs = padded
+        gather = dist.all_gather(outputs, outputs[me], group=group, async_op=True)
+        assert gather is not None
+        gathers.append((gather, parts, padded))
+        if len(gathers) > IN_FLIGHT:
+            finish_gather()
+    while gathers:
+        finish_gather()
 
 
 def _fixed_point_sum(
@@ -210,15 +353,11 @@ def _fixed_point_sum(
         work, start, stop, fixed = pending.popleft()
         if work is not None:
             work.wait()
-        # Back once: the integer sum rounds to float32 once, then the power of two is undone.
-        chunk_shift = shift[start // BLOCK : (stop + BLOCK - 1) // BLOCK]
-        _scaled(fixed.to(torch.float32), -chunk_shift, out=result[start:stop])
-        if scale != 1.0:
-            result[start:stop].mul_(scale)
+        _to_float(fixed, _block_shift(shift, start, stop), result[start:stop], scale)
 
     for start in range(0, numel, CHUNK):
         stop = min(start + CHUNK, numel)
-        chunk_shift = shift[start // BLOCK : (stop + BLOCK - 1) // BLOCK]
+        chunk_shift = _block_shift(shift, start, stop)
         fixed = _to_fixed(flats[0][start:stop], chunk_shift)
         for flat in flats[1:]:
             fixed += _to_fixed(flat[start:stop], chunk_shift)

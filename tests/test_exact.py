@@ -72,7 +72,12 @@ GROUPINGS = {
     "3x2": "0,1;2,3;4,5",
     "4-1-1": "0,1,2,3;4;5",
     "1-3-2 shuffled": "5;0,2,4;1,3",
+    # Chunks of a block per process: several chunks, the last ragged with an empty shard.
+    "2x3 in 2-block chunks": "0,1,2;3,4,5#1",
+    "1-3-2 in 3-block chunks": "5;0,2,4;1,3#1",
 }
+# Which groupings take the sharded step 3 (no process hosts more than SHARDED_MAX_HOSTED).
+SHARDED = {name for name in GROUPINGS if name != "4-1-1"}
 POISONED = "0,1,2;3,4,5@4"
 
 
@@ -82,13 +87,13 @@ def ranks_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[int, di
     three processes: per case, each member rank's result."""
     out = tmp_path_factory.mktemp("exact")
     cases = [*GROUPINGS.values(), POISONED]
-    world = max(len(case.partition("@")[0].split(";")) for case in cases)
+    world = max(len(case.partition("#")[0].partition("@")[0].split(";")) for case in cases)
     codes = run_ranks(WORKER, world, [str(out), *cases], timeout=240)
     assert codes == [0] * world
     return [
         {
             rank: json.loads((out / f"case{i}-rank{rank}.json").read_text())
-            for rank in range(len(case.partition("@")[0].split(";")))
+            for rank in range(len(case.partition("#")[0].partition("@")[0].split(";")))
         }
         for i, case in enumerate(cases)
     ]
@@ -102,6 +107,8 @@ def test_every_grouping_onto_processes_gives_the_same_bits(
     expected = one_process()
     for name, results in zip(GROUPINGS, ranks_results, strict=False):
         assert {r["sha256"] for r in results.values()} == {expected}, name
+        # Both ways of summing across processes ran, each to the one process's bits.
+        assert {r["sharded"] for r in results.values()} == {name in SHARDED}, name
 
 
 @pytest.mark.slow
@@ -165,3 +172,15 @@ def test_the_chunked_sum_equals_one_chunk(monkeypatch: pytest.MonkeyPatch) -> No
         whole = exact_sum(grads, num_logical_workers=3, local=True)
         monkeypatch.undo()
         assert torch.equal(chunked, whole), numel
+
+
+def test_the_sharded_sum_sends_a_float_all_reduce_s_bytes_when_each_process_hosts_one() -> None:
+    from spotline.exact import SHARDED_MAX_HOSTED, bytes_sent_per_process
+
+    n = 1_000_000
+    ring_float = 2 * 4 * n * 3 // 4  # a float32 ring all-reduce over 4 processes
+    assert bytes_sent_per_process(n, [1, 1, 1, 1]) == ring_float
+    assert bytes_sent_per_process(n, [2, 2, 2, 2]) == ring_float * 3 // 2
+    crowded = [SHARDED_MAX_HOSTED + 1, 1, 1, 1]  # the int64 ring: twice the float bytes
+    assert bytes_sent_per_process(n, crowded) == 2 * ring_float
+    assert bytes_sent_per_process(n, [6]) == 0

@@ -78,7 +78,7 @@ def format_reduce(report: dict[str, Any]) -> str:
             f"reduce: {report['elements']:,} elements, {report['logical_workers']} logical "
             f"workers on {report['ranks']} gloo processes, median of {report['repeats']}",
             "",
-            "| reduction | ms | bytes per rank |",
+            "| reduction | ms | bytes sent per rank |",
             "|---|---:|---:|",
             f"| float sum + all_reduce | {report['plain_ms']:.2f} | {report['plain_bytes']:,} |",
             f"| exact (fixed point) | {report['exact_ms']:.2f} | {report['exact_bytes']:,} |",

@@ -19,7 +19,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from spotline.exact import BLOCK, exact_sum
+from spotline.exact import BLOCK, bytes_sent_per_process, exact_sum
+
+
+def ring_bytes(payload: int, ranks: int) -> int:
+    """Bytes a rank sends in a ring all-reduce of ``payload`` bytes."""
+    return 2 * payload * (ranks - 1) // ranks
 
 
 def main() -> None:
@@ -72,9 +77,11 @@ def main() -> None:
             "exact_ms": statistics.median(times["exact"]) * 1e3,
             # Each repeat ran both back to back: its exact / float pair.
             "time_ratios": [e / p for e, p in zip(times["exact"], times["plain"], strict=True)],
-            # What each all-reduce carries per rank (a ring moves 2 (M-1)/M of it).
-            "plain_bytes": 4 * args.elements,
-            "exact_bytes": 8 * args.elements + 4 * blocks + 4 * args.logical_workers,
+            # What each rank sends: a ring all-reduce sends 2 (M - 1) / M of its payload; the
+            # exact sum's MAX carries an int32 per block, logical worker and rank.
+            "plain_bytes": ring_bytes(4 * args.elements, world),
+            "exact_bytes": bytes_sent_per_process(args.elements, [per_rank] * world)
+            + ring_bytes(4 * (blocks + args.logical_workers + world), world),
         }
         with open(args.out, "w") as f:
             json.dump(report, f)
