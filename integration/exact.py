@@ -35,6 +35,9 @@ integers summed and so the same bits:
 - **ring**: the int64 sums all-reduced (``2 (P - 1) / P`` int64 values an element sent
   per process, twice a float32 all-reduce's bytes, whatever the number hosted).
 
+One logical worker has no sum to make order-free: its gradient is the result, bit for bit
+(on its one process, no communication; a NaN or Inf refused all the same).
+
 Costs besides: one int32 MAX all-reduce (a non-finite flag per logical worker, an exponent
 per block and a count per process). Works on gloo and NCCL (both reduce int64 and run
 all-to-all).
@@ -180,6 +183,9 @@ def exact_sum(
     numel = gradients[0][1].numel()
     if numel == 0:
         return torch.zeros(shape, dtype=dtype)
+    if num_logical_workers == 1:
+        assert len(gradients) == 1, "one logical worker, hosted once"
+        return _only_worker(gradients[0], out, scale).to(dtype).view(shape)
     if dtype != torch.float32 and scale != 1.0:
         # Scaled after the conversion to ``dtype``, as the caller would.
         return exact_sum(
@@ -219,6 +225,23 @@ def exact_sum(
     else:
         _fixed_point_sum(flats, shift, result, group if distributed else None, distributed, scale)
     return result.to(dtype).view(shape)
+
+
+def _only_worker(
+    gradient: tuple[int, torch.Tensor], out: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """The sum of one logical worker: its gradient, bit for bit, wherever it runs (there is
+    no grouping for the sum to depend on; the fixed-point round trip would only have
+    rounded its values 2**39 and more below their block's largest). A NaN or Inf is
+    refused as in the sum (``amax`` and ``amin`` propagate NaN and reach an Inf)."""
+    worker, g = gradient
+    flat = g.detach().reshape(-1).to(torch.float32)
+    if not (bool(torch.isfinite(flat.amax())) and bool(torch.isfinite(flat.amin()))):
+        raise NonFiniteGradient([worker])
+    result = flat.clone() if out is None else out.copy_(flat)
+    if scale != 1.0:
+        result.mul_(scale)
+    return result
 
 
 def bytes_sent_per_process(numel: int, hosted: Sequence[int]) -> int:

@@ -184,3 +184,18 @@ def test_the_sharded_sum_sends_a_float_all_reduce_s_bytes_when_each_process_host
     crowded = [SHARDED_MAX_HOSTED + 1, 1, 1, 1]  # the int64 ring: twice the float bytes
     assert bytes_sent_per_process(n, crowded) == 2 * ring_float
     assert bytes_sent_per_process(n, [6]) == 0
+
+
+def test_one_logical_worker_is_its_own_sum_bit_for_bit() -> None:
+    g = gradients(1)[0].clone()
+    # 2**-45 of its block's largest: the fixed-point round trip would round it away.
+    g[5] = float(g[:BLOCK].abs().max()) * 2.0**-45
+    out = torch.empty(g.numel())
+    total = exact_sum([(0, g)], num_logical_workers=1, out=out)
+    assert torch.equal(total, g) and total.data_ptr() == out.data_ptr()
+    assert torch.equal(exact_sum([(0, g)], num_logical_workers=1, scale=0.5), g * 0.5)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        poisoned = g.clone()
+        poisoned[3] = bad
+        with pytest.raises(NonFiniteGradient, match=r"logical worker\(s\) \[0\]"):
+            exact_sum([(0, poisoned)], num_logical_workers=1)
