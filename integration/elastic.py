@@ -140,7 +140,11 @@ def stage_of_name(name: str, logical: list[int]) -> int:
     raise AssertionError(f"{name} is in no logical stage")
 
 
-def _opt_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, torch.Tensor]:
+def _opt_state(
+    optimizer: torch.optim.Optimizer, p: torch.Tensor, *, clone: bool = True
+) -> dict[str, torch.Tensor]:
+    """``p``'s AdamW state: copies, or (``clone`` False, for a caller that copies it at
+    once) the optimizer's own tensors."""
     state = optimizer.state.get(p, {})
     if not state:
         # AdamW creates zeros at its first step: the same as loading zeros with step 0.
@@ -149,7 +153,7 @@ def _opt_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict[str, t
             "exp_avg": torch.zeros_like(p),
             "exp_avg_sq": torch.zeros_like(p),
         }
-    return {k: state[k].detach().clone() for k in OPT_KEYS}
+    return {k: state[k].detach().clone() if clone else state[k].detach() for k in OPT_KEYS}
 
 
 def extract_holdings(engine: RedundantPipelineEngine, logical: list[int]) -> Holdings:
@@ -226,30 +230,49 @@ def roll_forward(
     st.grads = None
 
 
-def pack(st_names: list[tuple[str, torch.Size]], st: StageState) -> torch.Tensor:
+def pack(
+    st_names: list[tuple[str, torch.Size]], st: StageState, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A stage's parameters and optimizer state as one flat float32 tensor (into ``out``,
+    of ``packed_numel`` elements, when given: one copy, not one more of a concatenation)."""
     parts = [st.params[n].reshape(-1) for n, _ in st_names]
     for key in ("exp_avg", "exp_avg_sq"):
         parts += [st.opt[n][key].reshape(-1) for n, _ in st_names]
     parts += [st.opt[n]["step"].reshape(1).to(torch.float32) for n, _ in st_names]
-    return torch.cat(parts)
+    return torch.cat(parts) if out is None else torch.cat(parts, out=out)
 
 
-def unpack(st_names: list[tuple[str, torch.Size]], flat: torch.Tensor, version: int) -> StageState:
-    st = StageState(version, {}, {})
+def packed_views(
+    st_names: list[tuple[str, torch.Size]], flat: torch.Tensor
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """The parameters and optimizer state :func:`pack` wrote into ``flat``, as views of it
+    (the caller copies what it keeps)."""
+    params: dict[str, torch.Tensor] = {}
+    opt: dict[str, dict[str, torch.Tensor]] = {}
     offset = 0
     sizes = [(n, shape, int(torch.Size(shape).numel())) for n, shape in st_names]
     for n, shape, k in sizes:
-        st.params[n] = flat[offset : offset + k].view(shape).clone()
+        params[n] = flat[offset : offset + k].view(shape)
         offset += k
     for key in ("exp_avg", "exp_avg_sq"):
         for n, shape, k in sizes:
-            st.opt.setdefault(n, {})[key] = flat[offset : offset + k].view(shape).clone()
+            opt.setdefault(n, {})[key] = flat[offset : offset + k].view(shape)
             offset += k
     for n, _, _ in sizes:
-        st.opt[n]["step"] = flat[offset].clone()
+        opt[n]["step"] = flat[offset]
         offset += 1
     assert offset == flat.numel()
-    return st
+    return params, opt
+
+
+def unpack(st_names: list[tuple[str, torch.Size]], flat: torch.Tensor, version: int) -> StageState:
+    """A stage :func:`pack` wrote, every tensor its own copy (a holding owns its tensors)."""
+    params, opt = packed_views(st_names, flat)
+    return StageState(
+        version,
+        {n: t.clone() for n, t in params.items()},
+        {n: {k: t.clone() for k, t in state.items()} for n, state in opt.items()},
+    )
 
 
 def abort_connections(keep_port: int) -> int:
@@ -792,23 +815,29 @@ class ElasticWorker:
             self.holdings.stages[stage] = unpack(own_names[stage], buf, plan.resume_step)
 
     def _load_own_stages(self, engine: RedundantPipelineEngine) -> None:
-        """Copy the held own stages (parameters and optimizer state) into the engine."""
+        """Copy the held own stages' parameters into the engine and hand it their optimizer
+        state. Handed, not copied: a holding owns its tensors (snapshots, received stages
+        and checkpoints are copies) and the holdings are dropped once the state is loaded;
+        a generation that fails before its first step leaves them unchanged."""
         params = dict(engine.module.named_parameters())
         for stage, names in self._names_by_stage(engine.module.named_parameters()).items():
             st = self.holdings.stages[stage]
             for name, _ in names:
                 with torch.no_grad():
                     params[name].copy_(st.params[name])
-                engine.optimizer.state[params[name]] = {
-                    k: v.clone() for k, v in st.opt[name].items()
-                }
+                engine.optimizer.state[params[name]] = dict(st.opt[name])
 
     def _load_replica(self, engine: RedundantPipelineEngine, resume: int) -> None:
         """Replicas: each physical stage sends its whole state to its predecessor."""
         assert engine.replica is not None
         mine = self._names_by_stage(engine.module.named_parameters())
-        my_state = self._engine_stage_state(engine)
-        flat_out = torch.cat([pack(mine[s], my_state[s]) for s in sorted(mine)])
+        my_state = self._engine_stage_state(engine, clone=False)  # packed at once: one copy
+        flat_out = torch.empty(sum(packed_numel(mine[s]) for s in sorted(mine)))
+        offset = 0
+        for s in sorted(mine):
+            n = packed_numel(mine[s])
+            pack(mine[s], my_state[s], out=flat_out[offset : offset + n])
+            offset += n
         rep_names = self._names_by_stage(engine.replica.named_params)
         flat_in = torch.empty(sum(packed_numel(rep_names[s]) for s in sorted(rep_names)))
         pred = engine._peer(engine.stage_id - 1)
@@ -822,13 +851,14 @@ class ElasticWorker:
         rparams = dict(engine.replica.named_params)
         for stage in sorted(rep_names):
             n = packed_numel(rep_names[stage])
-            st = unpack(rep_names[stage], flat_in[offset : offset + n], resume)
+            # Copied straight out of the received buffer (once, into tensors of their own).
+            got_params, got_opt = packed_views(rep_names[stage], flat_in[offset : offset + n])
             offset += n
             for name, _ in rep_names[stage]:
                 with torch.no_grad():
-                    rparams[name].copy_(st.params[name])
+                    rparams[name].copy_(got_params[name])
                 engine.replica.optimizer.state[rparams[name]] = {
-                    k: v.clone() for k, v in st.opt[name].items()
+                    k: v.clone() for k, v in got_opt[name].items()
                 }
         engine.replica_applied_steps = resume
 
@@ -842,14 +872,16 @@ class ElasticWorker:
         st = self.holdings.stages[stage]
         return sorted((n, t.shape) for n, t in st.params.items())
 
-    def _engine_stage_state(self, engine: RedundantPipelineEngine) -> dict[int, StageState]:
+    def _engine_stage_state(
+        self, engine: RedundantPipelineEngine, *, clone: bool = True
+    ) -> dict[int, StageState]:
         out: dict[int, StageState] = {}
         for name, p in engine.module.named_parameters():
             st = out.setdefault(
                 stage_of_name(name, self.logical), StageState(engine.applied_steps, {}, {})
             )
             st.params[name] = p.detach()
-            st.opt[name] = _opt_state(engine.optimizer, p)
+            st.opt[name] = _opt_state(engine.optimizer, p, clone=clone)
         return out
 
     def _train(self, engine: RedundantPipelineEngine, generation: int, resume: int) -> Outcome:
