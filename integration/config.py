@@ -188,12 +188,15 @@ class RecoverySection:
 
 @dataclass(frozen=True)
 class TrackingSection:
-    """wandb runs offline unless the user configured otherwise."""
+    """wandb runs offline unless the user configured otherwise. ``timeline_png``: draw the
+    run's ``timeline.png`` at its end (matplotlib: a second or two; ``timeline.csv`` holds
+    the same rows either way)."""
 
     wandb: WandbMode = "offline"
     project: str = "spotline"
     run_name: str | None = None
     progress: bool = True
+    timeline_png: bool = True
 
 
 @dataclass(frozen=True)

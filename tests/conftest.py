@@ -26,7 +26,9 @@ def small_config(**spotline_sections: Any) -> dict[str, Any]:
     spotline: dict[str, Any] = {
         "model": {"name": "gpt2-tiny"},
         "training": {"steps": 4, "seed": 7},
-        "tracking": {"wandb": "disabled"},
+        # No timeline.png (a matplotlib import and draw, ~1-2 s a run here); the test of
+        # a run's plot turns it on.
+        "tracking": {"wandb": "disabled", "timeline_png": False},
         "determinism": {"enabled": True},
     }
     for key, value in spotline_sections.items():

@@ -122,8 +122,11 @@ def test_eager_redundancy_survives_a_kill(spotline_train, baselines) -> None:
 def test_kill_then_arrival_rebuilds_the_pipelines(
     spotline_train, baselines, tmp_path: Path
 ) -> None:
+    drawn = small_config(
+        training={"steps": STEPS}, redundancy={"mode": "lazy"}, tracking={"timeline_png": True}
+    )
     summary = spotline_train(
-        CONFIG, *TOPOLOGIES["2x2"], "--inject", "kill:2:1:backward", "--inject", "add:4"
+        drawn, *TOPOLOGIES["2x2"], "--inject", "kill:2:1:backward", "--inject", "add:4"
     )
     assert summary["param_sha256"] == baselines["2x2"]
     kinds = [e["kind"] for e in summary["events"]]

@@ -381,6 +381,8 @@ class RunMetrics:
 
     def write_timeline(self, output: Path) -> None:
         self.timeline.write_csv(output / "timeline.csv")
+        if not self.cfg.spotline.tracking.timeline_png:
+            return
         try:
             self.timeline.plot_png(
                 output / "timeline.png", f"spotline: {self.cfg.spotline.model.name}"
