@@ -157,7 +157,12 @@ def _opt_state(
 
 
 def extract_holdings(engine: RedundantPipelineEngine, logical: list[int]) -> Holdings:
-    """Copy the own stages and the replica out of the engine (before it is dropped)."""
+    """Take the own stages and the replica out of the engine, which is dropped next.
+
+    Parameters and optimizer state are taken, not copied (a copy of a stage and its replica
+    was most of a takeover's time at 14M parameters): only the engine's optimizer step
+    writes them, and the engine runs no step again. Gradients are copied: their buffers are
+    the ones the next step's reduction and exchange would write into."""
     out = Holdings()
     named = [(n, p) for n, p in engine.module.named_parameters()]
     for name, p in named:
@@ -166,8 +171,8 @@ def extract_holdings(engine: RedundantPipelineEngine, logical: list[int]) -> Hol
         st = out.stages.setdefault(
             stage, StageState(engine.applied_steps, {}, {}, {} if engine.own_ready else None, 1.0)
         )
-        st.params[name] = p.detach().clone()
-        st.opt[name] = _opt_state(engine.optimizer, p)
+        st.params[name] = p.detach()
+        st.opt[name] = _opt_state(engine.optimizer, p, clone=False)
         if st.grads is not None:
             assert p.grad is not None
             st.grads[name] = p.grad.detach().clone()
@@ -196,8 +201,8 @@ def extract_holdings(engine: RedundantPipelineEngine, logical: list[int]) -> Hol
                     engine.last_clip_coefficient,
                 ),
             )
-            st.params[name] = p.detach().clone()
-            st.opt[name] = _opt_state(replica.optimizer, p)
+            st.params[name] = p.detach()
+            st.opt[name] = _opt_state(replica.optimizer, p, clone=False)
             if st.grads is not None and grads is not None:
                 st.grads[name] = grads[name]
     return out
@@ -816,9 +821,10 @@ class ElasticWorker:
 
     def _load_own_stages(self, engine: RedundantPipelineEngine) -> None:
         """Copy the held own stages' parameters into the engine and hand it their optimizer
-        state. Handed, not copied: a holding owns its tensors (snapshots, received stages
-        and checkpoints are copies) and the holdings are dropped once the state is loaded;
-        a generation that fails before its first step leaves them unchanged."""
+        state. Handed, not copied: a holding's tensors belong to no live engine (taken
+        from the dropped one, received or read from a checkpoint) and the holdings are
+        dropped once the state is loaded; a generation that fails before its first step
+        leaves them unchanged."""
         params = dict(engine.module.named_parameters())
         for stage, names in self._names_by_stage(engine.module.named_parameters()).items():
             st = self.holdings.stages[stage]
