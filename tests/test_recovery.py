@@ -85,6 +85,9 @@ def test_sigkill_mid_step_is_taken_over_from_memory(
     assert all(setups[w][g]["state_bytes"] > 0 for w in members), setups
     phases = takeover_phases(summary)
     assert phases["recovery_s"] == event["recovery_s"]
+    # spotline.tracking.timeline_png false (the tests' config): the rows, not the plot.
+    assert (tmp_path / "run" / "timeline.csv").exists()
+    assert not (tmp_path / "run" / "timeline.png").exists()
     assert phases["redo_s"] == summary["step_times_s"][event["resume_step"]]
     assert phases["state_s"] == max(setups[w][g]["state_s"] for w in members)
     # Exposure checkpoints (spotline.plan.exposure): 2x2 is down to one pipeline, each
