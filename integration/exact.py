@@ -220,7 +220,7 @@ def exact_sum(
     shift = bits - exponent.to(torch.int64)  # scale each block by 2**(F - e)
     result = torch.empty(numel, dtype=torch.float32) if out is None else out
     assert result.shape == (numel,) and result.dtype == torch.float32, "out: flat float32"
-    if distributed and len(hosted) > 1 and max(hosted) <= SHARDED_MAX_HOSTED:
+    if distributed and takes_sharded_sum(hosted):
         _sharded_fixed_point_sum(flats, shift, result, group, hosted, scale)
     else:
         _fixed_point_sum(flats, shift, result, group if distributed else None, distributed, scale)
@@ -244,6 +244,16 @@ def _only_worker(
     return result
 
 
+def takes_sharded_sum(hosted: Sequence[int]) -> bool:
+    """Whether step 3 is the sharded one for ``hosted[i]`` logical workers on process i."""
+    return len(hosted) > 1 and max(hosted) <= SHARDED_MAX_HOSTED
+
+
+def ring_bytes(payload: int, processes: int) -> int:
+    """What a process sends in a ring all-reduce of ``payload`` bytes."""
+    return 2 * payload * (processes - 1) // processes
+
+
 def bytes_sent_per_process(numel: int, hosted: Sequence[int]) -> int:
     """What the busiest process sends for the sum of ``numel`` elements, ``hosted[i]``
     logical workers on process i (the MAX all-reduce's few values left out): the sharded
@@ -251,9 +261,9 @@ def bytes_sent_per_process(numel: int, hosted: Sequence[int]) -> int:
     processes = len(hosted)
     if processes == 1:
         return 0
-    if max(hosted) <= SHARDED_MAX_HOSTED:
+    if takes_sharded_sum(hosted):
         return 4 * (max(hosted) + 1) * numel * (processes - 1) // processes
-    return 8 * 2 * numel * (processes - 1) // processes
+    return ring_bytes(8 * numel, processes)
 
 
 def _to_float(fixed: torch.Tensor, shift: torch.Tensor, out: torch.Tensor, scale: float) -> None:

@@ -391,10 +391,6 @@ class GenerationSetup:
     state_s: float
     state_bytes: int
 
-    @property
-    def total_s(self) -> float:
-        return self.join_s + self.build_s + self.state_s
-
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 

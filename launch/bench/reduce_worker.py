@@ -19,12 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from spotline.exact import BLOCK, bytes_sent_per_process, exact_sum
-
-
-def ring_bytes(payload: int, ranks: int) -> int:
-    """Bytes a rank sends in a ring all-reduce of ``payload`` bytes."""
-    return 2 * payload * (ranks - 1) // ranks
+from spotline.exact import BLOCK, bytes_sent_per_process, exact_sum, ring_bytes
 
 
 def main() -> None:
