@@ -49,10 +49,11 @@ from spotline.auth import TOKEN_ENV, AuthStore, ForgedValue, JobToken
 from spotline.checkpoint import CheckpointWriter, load_all
 from spotline.config import RunConfig
 from spotline.engine import build_engine, deepspeed_config_for
-from spotline.errors import UserError
+from spotline.errors import UserError, one_line
 from spotline.evaluation import Evaluator
 from spotline.exact import NonFiniteGradient
 from spotline.group_setup import connected_new_groups, init_generation_group
+from spotline.heartbeat import Heartbeat
 from spotline.instruction_profile import (
     InstructionProfile,
     instrument,
@@ -82,7 +83,6 @@ from spotline.protocol import (
     checkpoint_error_key,
     entry_key,
     eval_key,
-    heartbeat_key,
     joined_key,
     leaving_key,
     loss_key,
@@ -325,12 +325,6 @@ def abort_connections(keep_port: int) -> int:
     return count
 
 
-def one_line(exc: BaseException) -> str:
-    """An exception as one line for the coordinator (its message may be empty or long)."""
-    lines = str(exc).splitlines()
-    return f"{type(exc).__name__}: {lines[0][:300]}" if lines else type(exc).__name__
-
-
 def packed_numel(st_names: list[tuple[str, torch.Size]]) -> int:
     return sum(3 * int(torch.Size(s).numel()) + 1 for _, s in st_names)
 
@@ -373,7 +367,7 @@ class ElasticWorker:
         # Losses, times, rates and replica checks of every step this worker ran (all
         # generations): what the shared loop records, reported to the coordinator.
         self.log = EngineLog()
-        self._hb_stop = threading.Event()
+        self.heartbeat: Heartbeat | None = None  # started once the worker has its data
         self._lost_lock = threading.Lock()
         self._lost_said = False
         self.checkpoints: CheckpointWriter | None = None
@@ -410,38 +404,44 @@ class ElasticWorker:
     def _start_heartbeat(self) -> None:
         from spotline.stores import connect_store
 
-        hb_store = AuthStore(
-            connect_store(self.store_spec, timeout=timedelta(seconds=30)), self.token
+        def connect() -> AuthStore:
+            return AuthStore(
+                connect_store(self.store_spec, timeout=timedelta(seconds=30)), self.token
+            )
+
+        def coordinator_lost() -> None:
+            # The main thread may be blocked in a collective with live peers for as long
+            # as the collective timeout: exit from here, now.
+            self.say_coordinator_lost()
+            os._exit(EXIT_COORDINATOR_LOST)
+
+        timeout_s = self.cfg.spotline.recovery.heartbeat_timeout_s
+        self.heartbeat = Heartbeat(
+            self.wid,
+            connect,
+            interval_s=max(0.02, min(0.1, timeout_s / 10)),
+            timeout_s=timeout_s,
+            note=self._note,
+            coordinator_lost=self.coordinator_lost,
+            on_coordinator_lost=coordinator_lost,
+            each_beat=self._each_beat,
         )
-        self._hb_interval = max(0.02, min(0.1, self.cfg.spotline.recovery.heartbeat_timeout_s / 10))
+        self.heartbeat.start()
 
-        def beat() -> None:
-            while not self._hb_stop.is_set():
-                try:
-                    hb_store.set(heartbeat_key(self.wid), repr(time.time()))
-                    if self.leaving:
-                        hb_store.set(leaving_key(self.wid), "1")
-                    training = self._training_generation
-                    aborted = self._generation_aborted
-                    if training is not None and (
-                        aborted.is_set() or hb_store.check([abort_key(training)])
-                    ):
-                        # A peer failed: unblock whatever gloo operation this process waits
-                        # in, and again at every beat until the main thread has left the
-                        # generation: gloo retries a failed connect (to a machine gone
-                        # silent, each try would wait out the whole timeout).
-                        aborted.set()
-                        abort_connections(self.port)
-                except Exception:
-                    if not self._hb_stop.is_set() and self.coordinator_lost():
-                        # The main thread may be blocked in a collective with live peers
-                        # for as long as the collective timeout: exit from here, now.
-                        self.say_coordinator_lost()
-                        os._exit(EXIT_COORDINATOR_LOST)
-                    return
-                self._hb_stop.wait(self._hb_interval)
-
-        threading.Thread(target=beat, name="spotline-heartbeat", daemon=True).start()
+    def _each_beat(self, hb_store: AuthStore) -> None:
+        """The heartbeat thread's work besides the beat: the leaving flag, and the abort of
+        the generation this worker trains in."""
+        if self.leaving:
+            hb_store.set(leaving_key(self.wid), "1")
+        training = self._training_generation
+        aborted = self._generation_aborted
+        if training is not None and (aborted.is_set() or hb_store.check([abort_key(training)])):
+            # A peer failed: unblock whatever gloo operation this process waits in, and
+            # again at every beat until the main thread has left the generation: gloo
+            # retries a failed connect (to a machine gone silent, each try would wait out
+            # the whole timeout).
+            aborted.set()
+            abort_connections(self.port)
 
     def coordinator_lost(self, patience_s: float = 1.0) -> bool:
         """Whether the coordinator's TCPStore is gone (called after a store operation failed).
@@ -547,7 +547,8 @@ class ElasticWorker:
             if self.leaving:
                 break
             generation += 1
-        self._hb_stop.set()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self.checkpoints is not None:
             self.checkpoints.close()
         self._publish_checkpoint_errors()  # the coordinator reads them once we have exited

@@ -17,8 +17,8 @@ import traceback
 from pathlib import Path
 
 from spotline.config import load_config
-from spotline.elastic import EXIT_COORDINATOR_LOST, ElasticWorker, one_line
-from spotline.errors import UserError
+from spotline.elastic import EXIT_COORDINATOR_LOST, ElasticWorker
+from spotline.errors import UserError, one_line
 from spotline.hf import JOB_DIR, JOB_FILE, Job, run_script_in_worker
 from spotline.protocol import error_key
 

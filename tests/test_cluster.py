@@ -49,6 +49,11 @@ class Baseline:
     def __init__(
         self, tmp: Path, config: dict[str, Any] = CONFIG, topology: tuple[str, ...] = TOPOLOGY
     ) -> None:
+        # The reference is not under test, and it shares two cores with a cluster run: a
+        # heartbeat timeout of 4 s on it would only add a way for the reference to fail (the
+        # timeouts decide no bit of the result).
+        recovery = {**config["spotline"].get("recovery", {}), "heartbeat_timeout_s": 30}
+        config = {**config, "spotline": {**config["spotline"], "recovery": recovery}}
         cfg = write_config(tmp / "c.json", config)
         self.out = tmp / "base"
         self.err = open(tmp / "base.err", "w")  # noqa: SIM115 - closed in result()
@@ -77,9 +82,19 @@ class Baseline:
         if self.summary is None:
             code = self.proc.wait(timeout=600)
             self.err.close()
-            assert code == 0, Path(self.err.name).read_text()[-3000:]
+            assert code == 0, Path(self.err.name).read_text()[-3000:] + _log_tails(self.out)
             self.summary = read_summary(self.out)
         return self.summary
+
+
+def _log_tails(out: Path, lines: int = 8) -> str:
+    """The last lines of every worker's log under ``out`` (what a failed run's message needs
+    where its logs are gone with the machine that ran it)."""
+    tails = []
+    for log in sorted((out / "logs").glob("w*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        tails.append(f"--- {log.name}\n" + "\n".join(tail))
+    return "\n" + "\n".join(tails)
 
 
 @pytest.fixture(scope="module")

@@ -266,7 +266,7 @@ class Supervisor:
             if self.store.check([key]):
                 last = float(self.store.get(key).decode())
                 if now - last > limit_s:
-                    self.metrics.event("heartbeat-missed", worker=w)
+                    self.metrics.event("heartbeat-missed", worker=w, silent_s=round(now - last, 1))
                     self.kill(w, "killed")
 
     def wait_all(self, timeout_s: float) -> None:

@@ -1,0 +1,122 @@
+"""spotline.heartbeat on a real TCPStore in this process: beats land, a beat the store did not
+take (the connection shut under it) is retried on a new connection instead of ending the
+thread, and a beat held back (the GIL held by the main thread) is said with its delay."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from spotline.auth import AuthStore, JobToken
+from spotline.heartbeat import Heartbeat
+from spotline.protocol import heartbeat_key
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKEN = JobToken.from_text("cd" * 32)
+
+
+@pytest.fixture
+def server() -> Iterator[dist.TCPStore]:
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30))
+    yield store
+
+
+def _client(port: int) -> AuthStore:
+    return AuthStore(
+        dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=30)), TOKEN
+    )
+
+
+def _shut_connections_to(port: int) -> int:
+    """Shut this process's client connections to ``port`` (what a reset does to them)."""
+    count = 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            sock = socket.socket(fileno=int(name))
+        except OSError:
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
+                if sock.getpeername()[1] == port and sock.getsockname()[1] != port:
+                    sock.shutdown(socket.SHUT_RDWR)
+                    count += 1
+        except OSError:
+            pass
+        finally:
+            sock.detach()
+    return count
+
+
+def _beats(port: int, after: float, limit_s: float = 30.0) -> float:
+    """The first beat newer than ``after`` (read on a fresh client); a bound, not a timing."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        reader = _client(port)
+        if reader.check([heartbeat_key("w0")]):
+            beat = float(reader.get(heartbeat_key("w0")).decode())
+            if beat > after:
+                return beat
+        assert time.monotonic() < deadline, f"no beat after {after}"
+        time.sleep(0.05)
+
+
+def _heartbeat(port: int, notes: list[str], timeout_s: float = 4.0) -> Heartbeat:
+    lost: list[bool] = []
+    return Heartbeat(
+        "w0",
+        lambda: _client(port),
+        interval_s=0.05,
+        timeout_s=timeout_s,
+        note=notes.append,
+        coordinator_lost=lambda: False,  # the store below never goes away
+        on_coordinator_lost=lambda: lost.append(True),
+    )
+
+
+def test_a_beat_the_store_did_not_take_is_retried_on_a_new_connection(
+    server: dist.TCPStore,
+) -> None:
+    notes: list[str] = []
+    heartbeat = _heartbeat(server.port, notes)
+    heartbeat.start()
+    try:
+        first = _beats(server.port, 0.0)
+        assert _shut_connections_to(server.port) >= 1
+        cut = time.time()
+        # Beats resume on a new connection: the thread did not end at the failed beat.
+        assert _beats(server.port, cut) > first
+        assert any("did not take a beat" in n for n in notes), notes
+        assert any("takes beats again" in n for n in notes), notes
+    finally:
+        heartbeat.stop()
+
+
+def test_a_beat_held_back_by_the_gil_is_said_with_its_delay(server: dist.TCPStore) -> None:
+    notes: list[str] = []
+    heartbeat = _heartbeat(server.port, notes, timeout_s=1.0)
+    heartbeat.start()
+    switch = sys.getswitchinterval()
+    try:
+        _beats(server.port, 0.0)
+        # The main thread keeps the GIL for 1.5 s at a time while it runs bytecode: the
+        # heartbeat thread cannot beat meanwhile.
+        sys.setswitchinterval(1.5)
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(switch)
+    try:
+        _beats(server.port, time.time())
+        late = [n for n in notes if "late" in n]
+        assert late and "taken for a hung worker" in late[0], notes
+    finally:
+        heartbeat.stop()
