@@ -441,10 +441,14 @@ def recovery_lines(s: dict[str, Any]) -> list[str]:
     if fallbacks:
         return [f"  {takeovers} in memory in {times}; {fallbacks} fallback(s) to a checkpoint"]
     count = s["preemptions"]
-    noun = "preemption" if count == 1 else "preemptions"
+    if count:
+        what = f"{count} preemption{'s' if count > 1 else ''}"
+    else:
+        # Workers killed as hung (their heartbeat missed) are losses, not preemptions.
+        what = "the loss" if len(in_memory) == 1 else "the losses"
     if len(in_memory) == 1:
-        return [f"  {count} {noun} survived in memory in {times} (no checkpoint read)"]
-    return [f"  {count} {noun} survived in memory ({takeovers}: {times}; no checkpoint read)"]
+        return [f"  {what} survived in memory in {times} (no checkpoint read)"]
+    return [f"  {what} survived in memory ({takeovers}: {times}; no checkpoint read)"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -41,6 +41,9 @@ def test_recovery_lines_say_what_happened_and_nothing_more() -> None:
     assert recovery_lines(mixed) == [
         "  1 takeover in memory in 0.70 s; 1 fallback(s) to a checkpoint"
     ]
+    # A worker killed as hung (its heartbeat missed) is a loss survived, not a preemption.
+    hung = {**one, "preemptions": 0, "recovery_events": [event]}
+    assert recovery_lines(hung) == ["  the loss survived in memory in 0.70 s (no checkpoint read)"]
     # Nothing survived in memory (no preemption, or only checkpoint restores): no line.
     assert recovery_lines({**one, "preemptions": 0, "recovery_events": []}) == []
     assert recovery_lines({**one, "recovery_events": [restored]}) == []
