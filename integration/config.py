@@ -162,7 +162,7 @@ class RecoverySection:
     term_grace_s: float = 10.0
     # Bound on one collective: a peer that hangs instead of dying is caught by this.
     collective_timeout_s: float = 60.0
-    # Faults: "kill|term:STEP:WORKER[:PHASE]" or "add:STEP" (see spotline.plan.chaos).
+    # Faults: "kill|term|stop:STEP:WORKER[:PHASE]" or "add:STEP" (see spotline.plan.chaos).
     inject: list[str] = field(default_factory=list)
     trace: str | None = None
     time_scale: float = 1.0

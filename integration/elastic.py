@@ -554,6 +554,24 @@ class ElasticWorker:
         self._publish_checkpoint_errors()  # the coordinator reads them once we have exited
         return 0
 
+    def deliver_injections(self, step: int, phase: str | None, own_only: bool = False) -> None:
+        """The ``--inject`` faults this worker delivers to itself at ``step`` in ``phase``
+        (None: the step boundary, where only ``stop`` is its own: the coordinator signals
+        phase-less kills and notices, several at once). ``stop`` hangs the whole process,
+        heartbeat thread included: a worker alive and silent, until the coordinator's
+        heartbeat timeout kills it."""
+        numbers = {"kill": signal.SIGKILL, "term": signal.SIGTERM, "stop": signal.SIGSTOP}
+        for inj in self.injections:
+            if own_only and inj.signal != "stop":
+                continue
+            if (
+                inj.signal in numbers
+                and inj.phase == phase
+                and inj.worker == self.index
+                and inj.step == step
+            ):
+                os.kill(os.getpid(), numbers[inj.signal])
+
     def _checkpoint_failed(self, step: int, path: Path, error: Exception) -> None:
         """The checkpoint writer's thread: a file of ``step`` could not be written."""
         with self._ckpt_errors_lock:
@@ -1143,20 +1161,13 @@ class _GenerationHooks(StepHooks):
     def inject(self, phase: str) -> None:
         """``engine.phase_hook``: a kill or SIGTERM injection timed at this step's ``phase``.
         Phase-less injections are the coordinator's (at a step boundary, several at once)."""
-        w = self.worker
-        for inj in w.injections:
-            if (
-                inj.signal in ("kill", "term")
-                and inj.phase == phase
-                and inj.worker == w.index
-                and inj.step == self.step
-            ):
-                os.kill(os.getpid(), signal.SIGKILL if inj.signal == "kill" else signal.SIGTERM)
+        self.worker.deliver_injections(self.step, phase)
 
     def before_step(self, step: int) -> bool:
         w = self.worker
         self.step = step
         w.store.set(progress_key(self.generation, w.wid), str(step))
+        w.deliver_injections(step, None, own_only=True)
         if w._should_stop(self.generation, step):
             return True
         every = w.cfg.spotline.elasticity.rebalance_every

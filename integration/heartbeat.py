@@ -66,24 +66,29 @@ class Heartbeat:
     def _run(self, store: AuthStore | None) -> None:
         failing = False
         turn_t = time.monotonic()
+        store_s = 0.0  # how long the last beat's store calls took
         while not self._stop.is_set():
-            # A turn is a beat and a wait: what it took beyond the wait is its lateness.
+            # A turn is a beat and a wait: what it took beyond the wait is its lateness,
+            # the store's share of it apart (a slow store is another cause, and a remedy).
             now = time.monotonic()
             late_s, turn_t = now - turn_t - self.interval_s, now
             if late_s > self.timeout_s / 2:
                 self.note(
-                    f"heartbeat: a beat came {late_s:.1f} s late (this process was stopped or "
-                    "starved of CPU, a call held the GIL, or the store answered slowly); "
-                    f"{self.timeout_s:g} s without one is taken for a hung worker"
+                    f"heartbeat: a beat came {late_s:.1f} s late, {store_s:.1f} s of it in the "
+                    "store's answers (the rest: this process stopped or starved of CPU, or a "
+                    f"call holding the GIL); {self.timeout_s:g} s without one is taken for a "
+                    "hung worker"
                 )
             try:
                 if store is None:
                     store = self.connect()
+                store_t = time.monotonic()
                 store.set(heartbeat_key(self.worker), repr(time.time()))
                 if failing:
                     self.note("heartbeat: the store takes beats again")
                     failing = False
                 self.each_beat(store)
+                store_s = time.monotonic() - store_t
             except Exception as exc:
                 if self._stop.is_set():
                     return

@@ -39,7 +39,7 @@ TRACE_FILES = (
     "aws-spot-instances-p2-xlarge-2020-11-20-to-2020-11-23.csv",
     "v100x1-east1c.txt",
 )
-EXPECTED_FORM = "expected SIGNAL:STEP:WORKER[:PHASE] with SIGNAL kill or term, or add:STEP"
+EXPECTED_FORM = "expected SIGNAL:STEP:WORKER[:PHASE] with SIGNAL kill, term or stop, or add:STEP"
 
 
 @pytest.mark.parametrize(
@@ -50,6 +50,8 @@ EXPECTED_FORM = "expected SIGNAL:STEP:WORKER[:PHASE] with SIGNAL kill or term, o
         ("kill:12:2:backward", Injection("kill", 12, 2, "backward")),
         ("term:5:1:optimizer", Injection("term", 5, 1, "optimizer")),
         ("kill:5:1:recv", Injection("kill", 5, 1, "recv")),
+        ("stop:4:1", Injection("stop", 4, 1, None)),
+        ("stop:2:3:send", Injection("stop", 2, 3, "send")),
         ("add:7", Injection("add", 7, None, None)),
         ("  add:0 ", Injection("add", 0, None, None)),
     ],
@@ -72,7 +74,7 @@ def test_parse_injection_accepts_the_documented_forms(text: str, expected: Injec
             "term:1:2:sideways",
             "PHASE must be one of forward, backward, send, recv, optimizer, committed",
         ),
-        ("stop:1:2", "unknown SIGNAL 'stop'"),
+        ("hang:1:2", "unknown SIGNAL 'hang'"),
         ("KILL:1:2", "unknown SIGNAL 'KILL'"),
         ("add:1:2", "add takes only a STEP"),
         ("add:", "STEP must be a non-negative integer"),

@@ -107,12 +107,31 @@ def test_sigkill_mid_step_is_taken_over_from_memory(
 
 
 @pytest.mark.parametrize("topology", ["1x4", "2x2"])
-def test_sigterm_leaves_cleanly(spotline_train, baselines, topology) -> None:
-    summary = spotline_train(CONFIG, *TOPOLOGIES[topology], "--inject", "term:2:1:forward")
+def test_sigterm_leaves_cleanly_and_a_hung_worker_is_killed_and_taken_over(
+    spotline_train, baselines, topology
+) -> None:
+    """w3 hangs mid-backward of step 2 (SIGSTOP: alive, its heartbeat thread frozen with it),
+    is found by its missed heartbeat, killed, and its stage taken over from memory; w1 gets
+    a preemption notice at step 4 (a member or standby in the new layout, whichever it is)
+    and leaves at a step boundary. A 3 s heartbeat timeout: the timeouts decide no bit of
+    the result."""
+    config = small_config(
+        training={"steps": STEPS},
+        redundancy={"mode": "lazy"},
+        recovery={"heartbeat_timeout_s": 3},
+    )
+    flags = ("--inject", "stop:2:3:backward", "--inject", "term:4:1")
+    summary = spotline_train(config, *TOPOLOGIES[topology], *flags)
     assert summary["param_sha256"] == baselines[topology]
-    assert summary["preemptions"] == 1
+    assert summary["preemptions"] == 1  # the notice; a hang is a loss, not a preemption
     assert summary["checkpoint_fallbacks"] == 0
-    assert any(e["kind"] == "leaving" for e in summary["events"])
+    kinds = [(e["kind"], e.get("worker")) for e in summary["events"]]
+    # Its notice is delivered (it leaves as a member or exits as a standby).
+    assert ("preempted", "w1") in kinds
+    (missed,) = [e for e in summary["events"] if e["kind"] == "heartbeat-missed"]
+    assert missed["worker"] == "w3" and missed["silent_s"] >= 3
+    first = summary["recovery_events"][0]
+    assert first["in_memory"] and first["resume_step"] == 2
 
 
 def test_eager_redundancy_survives_a_kill(spotline_train, baselines) -> None:

@@ -5,7 +5,9 @@ Two ways to disturb a local run, both decided before it starts so a run is repro
 Injections (:class:`Injection`, :func:`parse_injection`)
     ``--inject SIGNAL:STEP:WORKER[:PHASE]`` sends ``SIGKILL`` (``kill``) or ``SIGTERM``
     (``term``, a preemption notice with a grace period) to local worker ``WORKER`` when it
-    reaches step ``STEP``; with ``PHASE`` (forward, backward, send, recv, optimizer,
+    reaches step ``STEP``, or stops it (``stop``: SIGSTOP, a worker that hangs, alive and
+    silent, which the coordinator finds by its missed heartbeat and kills; the worker stops
+    itself, at the boundary as in a phase); with ``PHASE`` (forward, backward, send, recv, optimizer,
     committed: just after the step's commit point, before its update) in the middle of that
     phase of the step, without it at the step boundary (before the step's
     first instruction). ``--inject add:STEP`` starts one new local worker at the boundary of
@@ -50,14 +52,14 @@ from typing import Literal, get_args
 from spotline.errors import UserError
 from spotline.plan.traces import Trace, scale_trace, synthetic_trace
 
-Signal = Literal["kill", "term", "add"]
+Signal = Literal["kill", "term", "stop", "add"]
 Removal = Literal["kill", "term"]
 Phase = Literal["forward", "backward", "send", "recv", "optimizer", "committed"]
 TimedKind = Literal["remove", "add"]
 
 PHASES: tuple[Phase, ...] = get_args(Phase)
 REMOVALS: tuple[Removal, ...] = ("kill", "term")
-INJECT_FORM = "SIGNAL:STEP:WORKER[:PHASE] with SIGNAL kill or term, or add:STEP"
+INJECT_FORM = "SIGNAL:STEP:WORKER[:PHASE] with SIGNAL kill, term or stop, or add:STEP"
 """The expected form of ``--inject``, quoted by every parse error."""
 
 _INTEGER_RE = re.compile(r"^[0-9]+$")
@@ -65,7 +67,7 @@ _INTEGER_RE = re.compile(r"^[0-9]+$")
 
 @dataclass(frozen=True)
 class Injection:
-    """One fault pinned to a step: ``signal`` (kill, term) sent to local ``worker`` at
+    """One fault pinned to a step: ``signal`` (kill, term, stop) sent to local ``worker`` at
     ``step`` (in ``phase``, or at the step boundary when ``phase`` is None), or one worker
     added (``add``: ``worker`` and ``phase`` are None) at the boundary of ``step``.
 
@@ -78,8 +80,10 @@ class Injection:
     phase: Phase | None = None
 
     def __post_init__(self) -> None:
-        if self.signal not in ("kill", "term", "add"):
-            raise ValueError(f"injection signal must be kill, term or add, got {self.signal!r}")
+        if self.signal not in ("kill", "term", "stop", "add"):
+            raise ValueError(
+                f"injection signal must be kill, term, stop or add, got {self.signal!r}"
+            )
         if isinstance(self.step, bool) or not isinstance(self.step, int) or self.step < 0:
             raise ValueError(f"injection step must be an integer >= 0, got {self.step!r}")
         if self.signal == "add":
@@ -115,7 +119,7 @@ def _parse_index(text: str, field_text: str, name: str) -> int:
 
 
 def parse_injection(text: str) -> Injection:
-    """Parse one ``--inject`` value: ``kill|term:STEP:WORKER[:PHASE]`` or ``add:STEP``.
+    """Parse one ``--inject`` value: ``kill|term|stop:STEP:WORKER[:PHASE]`` or ``add:STEP``.
 
     Surrounding whitespace is ignored; everything else is exact (lower-case names, decimal
     integers). Malformed text raises :class:`spotline.errors.UserError` (a ValueError) with
@@ -127,7 +131,7 @@ def parse_injection(text: str) -> Injection:
         if len(fields) != 2:
             raise _bad_injection(text, "add takes only a STEP")
         return Injection("add", _parse_index(text, fields[1], "STEP"), None, None)
-    if signal_text not in REMOVALS:
+    if signal_text not in (*REMOVALS, "stop"):
         raise _bad_injection(text, f"unknown SIGNAL {signal_text!r}")
     if len(fields) not in (3, 4):
         raise _bad_injection(text, f"{signal_text} takes STEP:WORKER and an optional PHASE")
@@ -136,8 +140,8 @@ def parse_injection(text: str) -> Injection:
     phase: Phase | None = None
     if len(fields) == 4:
         phase = _phase(text, fields[3])
-    removal: Removal = "kill" if signal_text == "kill" else "term"
-    return Injection(removal, step, worker, phase)
+    kind: Signal = "kill" if signal_text == "kill" else "stop" if signal_text == "stop" else "term"
+    return Injection(kind, step, worker, phase)
 
 
 def _phase(text: str, phase_text: str) -> Phase:

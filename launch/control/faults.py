@@ -2,7 +2,7 @@
 
 Preemptions and arrivals come from a replayed trace (``recovery.trace``, on the wall clock
 or the step clock), from random preemptions (``recovery.preempt_rate``), from ``--inject``
-flags (``kill|term:STEP:WORKER[:PHASE]``, ``add:STEP``) and from ``--rescale STEP:M``.
+flags (``kill|term|stop:STEP:WORKER[:PHASE]``, ``add:STEP``) and from ``--rescale STEP:M``.
 Warm workers (``recovery.warm_workers``) are started ahead of a trace's arrivals, because a
 local process start-up (seconds of imports) is not compressed by ``time_scale`` as the
 trace's clock is. An arrival is awaited when its start-up must not decide at which step it
@@ -244,7 +244,8 @@ class FaultDelivery:
     # -- injections and rescales -------------------------------------------------------------
     def deliver_step_injections(self) -> None:
         """``add:STEP`` and phase-less ``kill|term:STEP:WORKER`` (delivered together when a
-        member starts that step); injections with a phase are delivered by the worker itself."""
+        member starts that step); injections with a phase, and ``stop`` (a hang), are
+        delivered by the worker itself."""
         progress = self.job.max_progress()
         for inj in self.injections:
             if inj.signal == "add" and id(inj) not in self.done_injections:
@@ -260,7 +261,7 @@ class FaultDelivery:
                 continue
             if inj.step > progress or id(inj) in self.done_injections:
                 continue
-            if inj.phase is None:
+            if inj.phase is None and inj.signal != "stop":  # a worker stops itself
                 self.done_injections.add(id(inj))
                 wid = f"w{inj.worker}"
                 if wid in self.supervisor and self.supervisor[wid].alive:
