@@ -67,6 +67,7 @@ from spotline.protocol import (
 )
 
 if TYPE_CHECKING:
+    from spotline.net import Binding
     from spotline.stores import StoreSpec
 
 EXIT_COORDINATOR_LOST = 3  # as a worker that loses its coordinator (spotline.elastic)
@@ -358,10 +359,16 @@ def _parse_join(text: str) -> StoreSpec:
 
     if "://" in text:
         return parse_store_arg(text)
+    host, port = _split_join(text)
+    return StoreSpec("tcp", host, port, "")
+
+
+def _split_join(text: str) -> tuple[str, int]:
+    """``--join HOST:PORT``'s host and port (a UserError naming the form if it is not)."""
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"--join {text!r} is not HOST:PORT; give the coordinator's --listen")
-    return StoreSpec("tcp", host, int(port), "")
+    return host, int(port)
 
 
 def run_agent(args: argparse.Namespace) -> int:
@@ -380,14 +387,42 @@ def run_agent(args: argparse.Namespace) -> int:
     # The agent turns every store failure into its own one line (a connect timeout is
     # logged at ERROR level by c10d): only its fatal messages stay.
     os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"
+    # Bad input is one line before anything starts (a store URL is checked with torch, next).
+    if "://" not in args.join:
+        _split_join(args.join)
+    from spotline.net import resolve
+
+    explicit: Binding | None = None
+    if args.address is not None or args.iface is not None:
+        explicit = resolve(address=args.address, iface=args.iface)
+    logs = Path(args.logs or f"spotline-agent/{name}")
+    # The spawner imports the training stack (seconds) from now on, while this process
+    # imports torch and reaches the coordinator (a machine that boots before its network is
+    # up, or before the coordinator, is ready to fork workers the moment it joins). Its
+    # environment is its imports'; each worker gets the agent's, gloo's interface included.
+    spawner = Spawner(args.preload or [DEFAULT_PRELOAD], dict(env), logs / "spawner.log")
+    try:
+        return _bind_join_and_serve(args, name, token, env, logs, spawner, explicit)
+    finally:
+        spawner.close()
+
+
+def _bind_join_and_serve(
+    args: argparse.Namespace,
+    name: str,
+    token: JobToken | None,
+    env: dict[str, str],
+    logs: Path,
+    spawner: Spawner,
+    explicit: Binding | None,
+) -> int:
+    """The rest of :func:`run_agent` once the spawner imports: the store, this machine's
+    binding (``explicit``: --address or --iface), the join and the loop."""
     spec = _parse_join(args.join)  # imports torch (spotline.stores)
-    host, port = spec.host, spec.port
     from spotline.net import gloo_environment, resolve
 
-    if args.address is not None or args.iface is not None:
-        binding = resolve(address=args.address, iface=args.iface)
-    else:  # the interface that routes to the coordinator
-        binding = resolve(address=local_address(host, port))
+    # Else the interface that routes to the coordinator.
+    binding = explicit or resolve(address=local_address(spec.host, spec.port))
     if not binding.ip.startswith("127."):
         # gloo (NCCL on GPUs) binds where the peers reach this machine, not where its
         # host name happens to resolve. One machine's `spotline train` (loopback) keeps
@@ -398,15 +433,9 @@ def run_agent(args: argparse.Namespace) -> int:
     listener = socket.create_server((binding.ip, 0), backlog=16)
     listener.setblocking(False)
     machine = MachineInfo(name, args.slots, binding.ip, binding.ifname, listener.getsockname()[1])
-    logs = Path(args.logs or f"spotline-agent/{name}")
-    # The spawner imports the training stack while the agent reaches the coordinator (a
-    # machine that boots before its network is up, or before the coordinator, is ready to
-    # fork workers the moment it joins).
-    spawner = Spawner(args.preload or [DEFAULT_PRELOAD], env, logs / "spawner.log")
     try:
         return _join_and_serve(args, name, token, machine, spawner, env, logs, spec, listener)
     finally:
-        spawner.close()
         listener.close()
 
 

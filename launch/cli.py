@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import sys
 import time
@@ -124,9 +125,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    token_file = getattr(args, "token_file", None)
     try:
         listen = _parse_listen(args.listen) if getattr(args, "listen", None) else None
-        cfg, output, resume_from, data = _prepare_run(args)
+        cfg, output, resume_from, data, coordinator = _prepare_run(
+            args, head_start=listen is None and token_file is None
+        )
     except UserError as exc:
         return fail(str(exc))
     return start_run(
@@ -135,20 +139,21 @@ def _cmd_train(args: argparse.Namespace) -> int:
         resume_from,
         data,
         listen=listen,
-        token_file=getattr(args, "token_file", None),
+        token_file=token_file,
+        coordinator=coordinator,
     )
 
 
-def start_run(
+def _make_coordinator(
     cfg: Any,
     output: Path,
     resume_from: int | None,
-    data: dict[str, Any],
     *,
-    listen: tuple[str, int] | None = None,
-    token_file: str | None = None,
-) -> int:
-    """Run a checked job (``_prepare_run``'s results) under a coordinator to its end."""
+    listen: tuple[str, int] | None,
+    token_file: str | None,
+) -> Coordinator:
+    """The job's coordinator (its store up, its token written), the resolved config in
+    ``output``; a UserError if it cannot be (e.g. an unreachable etcd)."""
     from spotline.tracking import SUMMARY_NAME, write_json_atomic
 
     # A summary left by an earlier run in this directory must not pass for this run's.
@@ -163,18 +168,36 @@ def start_run(
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     env = child_environment()
     env["OMP_NUM_THREADS"] = str(cfg.spotline.determinism.intra_op_threads)
-    try:
-        coordinator = Coordinator(
-            cfg,
-            resolved,
-            output,
-            env=env,
-            resume_from=resume_from,
-            listen=listen,
-            token_file=token_file,
-        )
-    except UserError as exc:  # e.g. an unreachable etcd
-        return fail(str(exc))
+    return Coordinator(
+        cfg,
+        resolved,
+        output,
+        env=env,
+        resume_from=resume_from,
+        listen=listen,
+        token_file=token_file,
+    )
+
+
+def start_run(
+    cfg: Any,
+    output: Path,
+    resume_from: int | None,
+    data: dict[str, Any],
+    *,
+    listen: tuple[str, int] | None = None,
+    token_file: str | None = None,
+    coordinator: Coordinator | None = None,
+) -> int:
+    """Run a checked job (``_prepare_run``'s results) under a coordinator to its end
+    (``coordinator``: the one ``_prepare_run`` started while it checked the inputs)."""
+    if coordinator is None:
+        try:
+            coordinator = _make_coordinator(
+                cfg, output, resume_from, listen=listen, token_file=token_file
+            )
+        except UserError as exc:  # e.g. an unreachable etcd
+            return fail(str(exc))
     return _supervise(coordinator, output, data)
 
 
@@ -188,11 +211,14 @@ def _parse_listen(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _prepare_run(args: argparse.Namespace) -> tuple[Any, Path, int | None, dict[str, Any]]:
-    """Everything checked before any process starts: the config, the output directory, the
+def _prepare_run(
+    args: argparse.Namespace, *, head_start: bool = False
+) -> tuple[Any, Path, int | None, dict[str, Any], Coordinator | None]:
+    """Everything checked before any worker starts: the config, the output directory, the
     model and corpus, the recovery settings. Returns the config, the output directory
-    (created), the step a resume continues from (None: step 0) and what the data turned
-    into (summary.json's ``data``)."""
+    (created), the step a resume continues from (None: step 0), what the data turned into
+    (summary.json's ``data``) and, with ``head_start``, the coordinator if it was started
+    while the inputs were checked (else None: the caller makes it)."""
     if args.resume is not None:
         cfg, output = resume_config(args)
     else:
@@ -201,16 +227,49 @@ def _prepare_run(args: argparse.Namespace) -> tuple[Any, Path, int | None, dict[
     # too small for a batch, checked in a child process: this one, the coordinator's,
     # never loads transformers or DeepSpeed. Its wall time (what a worker does before it
     # can join) is a lower bound of a worker's start-up.
-    from spotline.launch.control.inputs import check_inputs
+    from spotline.launch.control.inputs import start_check
 
-    checked = check_inputs(cfg)
-    validate_recovery(cfg, startup_s=checked.startup_s)
-    resume_from = _resume_step(cfg, output) if args.resume is not None else None
+    check = start_check(cfg)
+    coordinator = None
     try:
-        output.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UserError(f"--output {output} cannot be created: {exc}") from None
-    return cfg, output, resume_from, checked.data
+        if head_start and args.resume is None and cfg.spotline.recovery.store == "tcp":
+            coordinator = _head_start(cfg, output)
+        # A head start's agent is admitted as soon as it registers (it waits only so long).
+        checked = check.result(None if coordinator is None else coordinator.admit_machines)
+        validate_recovery(cfg, startup_s=checked.startup_s)
+        resume_from = _resume_step(cfg, output) if args.resume is not None else None
+        try:
+            output.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UserError(f"--output {output} cannot be created: {exc}") from None
+    except BaseException:
+        check.kill()
+        if coordinator is not None:
+            # Bad input (or a Ctrl-C) after the head start: nothing of this run is left,
+            # neither its agent nor its output directory (this command made it).
+            coordinator.abandon()
+            shutil.rmtree(output, ignore_errors=True)
+        raise
+    return cfg, output, resume_from, checked.data, coordinator
+
+
+def _head_start(cfg: Any, output: Path) -> Coordinator | None:
+    """``spotline train`` into a new directory: the coordinator and its local agent start
+    while the child checks the inputs, so the agent's spawner imports the training stack
+    (seconds) meanwhile instead of after. None where the output directory already exists
+    (what a failed check would leave in it could not be told from what was there) or
+    cannot be made: the check's error comes first then, as without a head start."""
+    try:
+        output.mkdir()  # not its parents: a failed check must leave no directory behind
+    except OSError:
+        return None
+    try:
+        coordinator = _make_coordinator(cfg, output, None, listen=None, token_file=None)
+    except BaseException:
+        shutil.rmtree(output, ignore_errors=True)
+        raise
+    coordinator.start_local_agent()
+    return coordinator
 
 
 def _new_run_config(args: argparse.Namespace) -> tuple[Any, Path]:

@@ -415,7 +415,7 @@ class Coordinator:
         if self.cluster:
             self._wait_for_machines(slots=self.faults.initial_workers())
         else:
-            self._start_local_agent(slots=self.faults.initial_workers())
+            self._start_local_agent()
         for _ in range(self.faults.initial_workers()):
             wid = self.supervisor.spawn()
             self.planner.include(wid, 0)
@@ -491,21 +491,47 @@ class Coordinator:
         self.supervisor.wait_all(timeout_s)
         self._end_agents()
 
-    def _start_local_agent(self, slots: int) -> None:
+    def start_local_agent(self) -> None:
         """``spotline train``'s machine: one agent on this one, through the same code as a
-        cluster's (``spotline agent``); the run starts once it has joined."""
+        cluster's (``spotline agent``), with a slot for each starting worker. Started once;
+        the CLI starts it early (while it checks the inputs), else :meth:`run` does."""
+        if self.local_agent is not None:
+            return
         from spotline.launch.agent import start_local_agent
 
         self.local_agent = start_local_agent(
             self.store_spec.to_arg(),
-            slots=slots,
+            slots=self.faults.initial_workers(),
             logs=self.output / "logs",
             env=self.supervisor.env,
             lost_after_s=LOCAL_AGENT_LOST_AFTER_S,
             token_file=self.token_path,
         )
+
+    def abandon(self) -> None:
+        """The job does not start (its inputs were wrong, or a Ctrl-C came first): the local
+        agent, which has started no worker, is stopped (its spawner exits on its own when
+        the agent's pipe closes)."""
+        if self.local_agent is not None:
+            self.local_agent.kill()
+            self.local_agent.wait()
+            self.local_agent = None
+
+    def admit_machines(self) -> None:
+        """Answer the machines that registered (the local agent's head start registers while
+        the CLI still checks the inputs, and waits for its answer only so long)."""
+        self.supervisor.machines.refresh()
+
+    def _start_local_agent(self) -> None:
+        """The local agent started (if the CLI has not already) and joined: the run starts
+        then."""
+        from spotline.launch.agent import LOCAL_MACHINE
+
+        self.start_local_agent()
+        assert self.local_agent is not None
         deadline = time.monotonic() + AGENT_JOIN_WAIT_S
-        while not self.supervisor.machines.refresh():
+        machines = self.supervisor.machines
+        while not (machines.refresh() or LOCAL_MACHINE in machines.joined):
             if self.local_agent.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(
                     f"the local agent did not join (exit {self.local_agent.poll()}); see "

@@ -22,6 +22,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,39 +42,74 @@ class CheckedInputs:
     data: dict[str, Any]
 
 
+class PendingCheck:
+    """The check's child, started (:func:`start_check`); :meth:`result` waits for it."""
+
+    def __init__(self, cfg: RunConfig) -> None:
+        self._t0 = time.perf_counter()
+        self._config = json.dumps(cfg.to_json())
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "spotline.launch.control.inputs", cfg.source],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def result(self, while_waiting: Callable[[], object] | None = None) -> CheckedInputs:
+        """Wait for the child, calling ``while_waiting`` every few hundredths of a second
+        meanwhile; raise :class:`UserError` with its one line if the user got the model or
+        corpus wrong."""
+        proc = self._proc
+        try:
+            # While the child imports the training stack, this process imports the torch it
+            # needs anyway for the job store (spotline.stores): the two imports overlap
+            # instead of adding up.
+            importlib.import_module("spotline.stores")
+            given: str | None = self._config
+            while True:
+                try:
+                    # The input goes on the first call only (communicate keeps the rest).
+                    out, err = proc.communicate(
+                        given, timeout=None if while_waiting is None else 0.05
+                    )
+                    break
+                except subprocess.TimeoutExpired:
+                    given = None
+                    assert while_waiting is not None
+                    while_waiting()
+        except BaseException:
+            self.kill()
+            raise
+        seconds = time.perf_counter() - self._t0
+        # What the libraries print (warnings, a download's progress) reaches the user as before.
+        sys.stderr.write(err)
+        if proc.returncode == USER_ERROR_EXIT:
+            raise UserError(out.strip())
+        if proc.returncode != 0:
+            raise RuntimeError(
+                f"checking the model and corpus failed (exit {proc.returncode}); its error is above"
+            )
+        lines = [line for line in out.splitlines() if line.strip()]
+        assert lines, "the input check printed no data summary"
+        return CheckedInputs(startup_s=seconds, data=json.loads(lines[-1]))
+
+    def kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+        self._proc.wait()
+
+
+def start_check(cfg: RunConfig) -> PendingCheck:
+    """Start resolving ``cfg``'s model and corpus in a child process (what the caller does
+    meanwhile overlaps with its imports)."""
+    return PendingCheck(cfg)
+
+
 def check_inputs(cfg: RunConfig) -> CheckedInputs:
     """Resolve ``cfg``'s model and corpus in a child process; raise :class:`UserError` with its
     one line if the user got one wrong."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "spotline.launch.control.inputs", cfg.source],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        # While the child imports the training stack, this process imports the torch it
-        # needs anyway for the job store (spotline.stores): the two imports overlap
-        # instead of adding up.
-        importlib.import_module("spotline.stores")
-        out, err = proc.communicate(json.dumps(cfg.to_json()))
-    except BaseException:
-        proc.kill()
-        proc.wait()
-        raise
-    seconds = time.perf_counter() - t0
-    # What the libraries print (warnings, a download's progress) reaches the user as before.
-    sys.stderr.write(err)
-    if proc.returncode == USER_ERROR_EXIT:
-        raise UserError(out.strip())
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"checking the model and corpus failed (exit {proc.returncode}); its error is above"
-        )
-    lines = [line for line in out.splitlines() if line.strip()]
-    assert lines, "the input check printed no data summary"
-    return CheckedInputs(startup_s=seconds, data=json.loads(lines[-1]))
+    return start_check(cfg).result()
 
 
 def main() -> int:
