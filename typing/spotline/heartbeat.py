@@ -1,0 +1,1 @@
+../../integration/heartbeat.py
