@@ -4,7 +4,7 @@
 all-reduce is a float sum over processes: its bits depend on how many processes there are.
 :class:`ExactDataParallelEngine` is that engine with one change: at the gradient
 accumulation boundary, ``allreduce_gradients`` runs ``LogicalGradients.reduce`` (the exact
-fixed-point mean over all ``N`` logical workers, :mod:`spotline.exact`) instead of DeepSpeed's
+fixed-order mean over all ``N`` logical workers, :mod:`spotline.exact`) instead of DeepSpeed's
 bucketed float all-reduce. A job of ``N`` logical workers then trains to the same bits on
 any number ``M`` of processes, each hosting some of the logical workers and running them in
 turn (EasyScale's determinism).

@@ -140,10 +140,10 @@ def test_reduce_compares_the_exact_sum_with_a_float_all_reduce(tmp_path: Path) -
     assert report["plain_ms"] > 0 and report["exact_ms"] > 0
     # Sent per rank, each hosting 2 of the 4: the sharded sum's all-to-all (its 2 workers'
     # halves for the other rank) and all-gather (its half of the sum), float32; the MAX's
-    # int32 ring (one exponent per block, a flag per logical worker, a count per rank).
+    # int32 ring (which rank hosts each logical worker).
     assert report["plain_bytes"] == 4 * 20000
-    assert report["exact_bytes"] == 4 * (2 * 10000 + 10000) + 4 * (5 + 4 + 2)
-    assert "exact (fixed point)" in proc.stdout
+    assert report["exact_bytes"] == 4 * (2 * 10000 + 10000) + 4 * 4
+    assert "exact (fixed order)" in proc.stdout
 
 
 @pytest.mark.slow

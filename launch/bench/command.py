@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--time-scale", type=float, default=60.0, help="trace seconds per wall second"
     )
     reduce = sub.add_parser(
-        "reduce", parents=[common], help="exact fixed-point reduction vs a float all_reduce"
+        "reduce", parents=[common], help="exact (fixed-order) reduction vs a float all_reduce"
     )
     reduce.add_argument(
         "--elements",

@@ -1,4 +1,4 @@
-"""``spotline bench reduce``: the exact fixed-point reduction against a float ``all_reduce``.
+"""``spotline bench reduce``: the exact reduction (the fixed-order sum) against a float ``all_reduce``.
 
 Both in one set of gloo processes, the rank worker :mod:`spotline.launch.bench.reduce_worker`;
 ``spotline bench easyscale`` runs the same measurement at its model's gradient size.
@@ -81,7 +81,7 @@ def format_reduce(report: dict[str, Any]) -> str:
             "| reduction | ms | bytes sent per rank |",
             "|---|---:|---:|",
             f"| float sum + all_reduce | {report['plain_ms']:.2f} | {report['plain_bytes']:,} |",
-            f"| exact (fixed point) | {report['exact_ms']:.2f} | {report['exact_bytes']:,} |",
+            f"| exact (fixed order) | {report['exact_ms']:.2f} | {report['exact_bytes']:,} |",
             "",
             f"exact / float: {report['time_ratio']:.2f}x time (repeat by repeat, median (min-max): "
             f"{format_spread(report['time_ratio_spread'], '.2f')}), {report['bytes_ratio']:.2f}x bytes",

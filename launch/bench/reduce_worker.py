@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 from datetime import timedelta
@@ -19,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from spotline.exact import BLOCK, bytes_sent_per_process, exact_sum, ring_bytes
+from spotline.exact import bytes_sent_per_process, exact_sum, ring_bytes
 
 
 def main() -> None:
@@ -62,7 +61,6 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - start)
     if rank == 0:
-        blocks = math.ceil(args.elements / BLOCK)
         report = {
             "ranks": world,
             "logical_workers": args.logical_workers,
@@ -73,10 +71,10 @@ def main() -> None:
             # Each repeat ran both back to back: its exact / float pair.
             "time_ratios": [e / p for e, p in zip(times["exact"], times["plain"], strict=True)],
             # What each rank sends: a ring all-reduce sends 2 (M - 1) / M of its payload; the
-            # exact sum's MAX carries an int32 per block, logical worker and rank.
+            # exact sum's MAX carries an int32 per logical worker (which process hosts it).
             "plain_bytes": ring_bytes(4 * args.elements, world),
             "exact_bytes": bytes_sent_per_process(args.elements, [per_rank] * world)
-            + ring_bytes(4 * (blocks + args.logical_workers + world), world),
+            + ring_bytes(4 * args.logical_workers, world),
         }
         with open(args.out, "w") as f:
             json.dump(report, f)

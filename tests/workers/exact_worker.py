@@ -1,14 +1,13 @@
 """One rank of the exact-reduction tests (tests/test_exact.py).
 
 Every rank builds the same six logical workers' gradients from a fixed seed. For each case
-on the command line (``GROUPS``, ``GROUPS@POISON`` or either with ``#BLOCKS``, e.g.
+on the command line (``GROUPS``, ``GROUPS@POISON`` or either with ``#ELEMENTS``, e.g.
 "0,1,2;3,4,5": rank 0 hosts 0, 1 and 2; ``@4``: logical worker 4's gradient has a NaN;
-``#1``: chunks of one block per process instead of spotline.exact.CHUNK) the first
+``#3000``: chunks of 3000 elements instead of spotline.exact.CHUNK) the first
 ``len(GROUPS)`` ranks keep the gradients it assigns them, reduce them with
 spotline.exact.exact_sum over a gloo group of just those ranks, and write the result's
-SHA-256 (or the error) and which step 3 ran (sharded or ring) to
-``out_dir/case{i}-rank{r}.json``. One launch runs every case: a process group per grouping
-instead of a set of processes per grouping.
+SHA-256 (or the error) to ``out_dir/case{i}-rank{r}.json``. One launch runs every case: a
+process group per grouping instead of a set of processes per grouping.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from spotline import exact
-from spotline.exact import BLOCK, NonFiniteGradient, exact_sum
+from spotline.exact import NonFiniteGradient, exact_sum
 
 NUM_LOGICAL_WORKERS = 6
 
@@ -44,19 +43,10 @@ def main() -> None:
     out_dir, cases = sys.argv[1], sys.argv[2:]
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    real_sharded = exact._sharded_fixed_point_sum
-    sharded_calls = []
-
-    def sharded(*args: object, **kwargs: object) -> None:
-        sharded_calls.append(1)  # counted, then the real thing
-        real_sharded(*args, **kwargs)  # type: ignore[arg-type]
-
-    exact._sharded_fixed_point_sum = sharded  # type: ignore[assignment]
     default_chunk = exact.CHUNK
     for index, full_case in enumerate(cases):
         case, _, chunk_text = full_case.partition("#")
-        exact.CHUNK = int(chunk_text) * BLOCK if chunk_text else default_chunk
-        sharded_calls.clear()
+        exact.CHUNK = int(chunk_text) if chunk_text else default_chunk
         groups, _, poison_text = case.partition("@")
         poison = int(poison_text) if poison_text else None
         hosts = groups.split(";")
@@ -72,10 +62,7 @@ def main() -> None:
                 num_logical_workers=NUM_LOGICAL_WORKERS,
                 group=group,
             )
-            result = {
-                "sha256": hashlib.sha256(total.numpy().tobytes()).hexdigest(),
-                "sharded": bool(sharded_calls),
-            }
+            result = {"sha256": hashlib.sha256(total.numpy().tobytes()).hexdigest()}
         except NonFiniteGradient as exc:
             result = {"non_finite": list(exc.logical_workers)}
         with open(os.path.join(out_dir, f"case{index}-rank{rank}.json"), "w") as f:
