@@ -12,6 +12,7 @@ to the coordinator as ``error/<worker>``), 3 the coordinator is gone. The proces
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import traceback
 from pathlib import Path
@@ -21,6 +22,24 @@ from spotline.elastic import EXIT_COORDINATOR_LOST, ElasticWorker
 from spotline.errors import UserError, one_line
 from spotline.hf import JOB_DIR, JOB_FILE, Job, run_script_in_worker
 from spotline.protocol import error_key
+
+# What every worker imports lazily once it runs, imported here at the module's import: the
+# agent's spawner imports this module once and forks the workers from it, so they share
+# these instead of each importing them (about 3 s of CPU a worker, 4 workers at once on a
+# start: torch._inductor.config comes from torch.use_deterministic_algorithms, datasets from
+# the corpus loader, the families' transformers modules from the model's config and build).
+WARM_IMPORTS = (
+    "torch._inductor.config",
+    "datasets",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt_neox.modeling_gpt_neox",
+)
+# pyarrow (under datasets) starts jemalloc's purging thread at import unless told not to,
+# and the spawner forks only a process of one thread.
+os.environ.setdefault("JE_ARROW_MALLOC_CONF", "background_thread:false")
+for _module in WARM_IMPORTS:
+    importlib.import_module(_module)
 
 
 def _tell_coordinator(worker: ElasticWorker | None, cause: str) -> None:
