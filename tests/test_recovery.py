@@ -42,28 +42,43 @@ def baselines(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    ("topology", "inject"),
+    ("topology", "inject", "variant"),
     [
-        ("1x4", "kill:3:2:forward"),
-        ("1x4", "kill:2:1:send"),
-        ("1x4", "kill:1:0:recv"),
-        ("1x4", "kill:2:1:optimizer"),
-        ("1x4", "kill:4:3:backward"),
+        ("1x4", "kill:3:2:forward", "lazy"),
+        # Membership through an etcd the test starts on loopback instead of the TCPStore.
+        ("1x4", "kill:2:1:send", "etcd"),
+        ("1x4", "kill:1:0:recv", "lazy"),
+        ("1x4", "kill:2:1:optimizer", "lazy"),
+        # Eager redundancy (the replica's step run with the owner's): the same takeover.
+        ("1x4", "kill:4:3:backward", "eager"),
         # The last stage lost just past the commit: the survivors apply the step, and its loss
         # (which DeepSpeed sends from the last stage only after the update) is already theirs.
-        ("1x4", "kill:2:3:committed"),
-        ("2x2", "kill:3:3:forward"),
-        ("2x2", "kill:2:0:optimizer"),
-        ("2x2", "kill:1:2:recv"),
+        ("1x4", "kill:2:3:committed", "lazy"),
+        ("2x2", "kill:3:3:forward", "lazy"),
+        ("2x2", "kill:2:0:optimizer", "lazy"),
+        ("2x2", "kill:1:2:recv", "lazy"),
     ],
 )
 def test_sigkill_mid_step_is_taken_over_from_memory(
-    spotline_train, baselines, topology, inject, tmp_path: Path
+    spotline_train, baselines, topology, inject, variant, tmp_path: Path
 ) -> None:
     # Checkpoints every 100 steps: none due in 6 but those of the exposure rule.
     flags = ("--checkpoint-interval", "100", "--inject", inject)
-    summary = spotline_train(CONFIG, *TOPOLOGIES[topology], *flags)
+    config = CONFIG
+    if variant == "eager":
+        config = small_config(training={"steps": STEPS}, redundancy={"mode": "eager"})
+    if variant == "etcd":
+        from spotline.stores import start_local_etcd
+
+        if not Path("/usr/bin/etcd").exists():
+            pytest.skip("etcd-server is not installed (.ci/run installs it)")
+        with start_local_etcd(tmp_path / "etcd") as etcd:
+            store = ("--store", "etcd", "--etcd-endpoint", etcd.endpoint)
+            summary = spotline_train(config, *TOPOLOGIES[topology], *flags, *store)
+    else:
+        summary = spotline_train(config, *TOPOLOGIES[topology], *flags)
     assert summary["param_sha256"] == baselines[topology]
+    assert summary["redundancy"] == ("eager" if variant == "eager" else "lazy")
     assert summary["preemptions"] == 1
     assert summary["recoveries"] == 1
     assert summary["checkpoint_fallbacks"] == 0  # in memory, not from disk
@@ -132,13 +147,6 @@ def test_sigterm_leaves_cleanly_and_a_hung_worker_is_killed_and_taken_over(
     assert missed["worker"] == "w3" and missed["silent_s"] >= 3
     first = summary["recovery_events"][0]
     assert first["in_memory"] and first["resume_step"] == 2
-
-
-def test_eager_redundancy_survives_a_kill(spotline_train, baselines) -> None:
-    config = small_config(training={"steps": STEPS}, redundancy={"mode": "eager"})
-    summary = spotline_train(config, *TOPOLOGIES["1x4"], "--inject", "kill:3:1:backward")
-    assert summary["param_sha256"] == baselines["1x4"]
-    assert summary["recoveries"] == 1
 
 
 def test_kill_then_arrival_rebuilds_the_pipelines(
@@ -230,27 +238,6 @@ def test_trace_replay_completes_with_the_same_hash(spotline_train, tmp_path: Pat
     assert replayed["preemptions"] >= 3
     assert replayed["checkpoint_fallbacks"] == 1
     assert replayed["param_sha256"] == undisturbed["param_sha256"]
-
-
-def test_etcd_store_backend_survives_a_kill(spotline_train, baselines, tmp_path: Path) -> None:
-    """Membership through an etcd started by the test on loopback instead of the TCPStore."""
-    from spotline.stores import start_local_etcd
-
-    if not Path("/usr/bin/etcd").exists():
-        pytest.skip("etcd-server is not installed (.ci/run installs it)")
-    with start_local_etcd(tmp_path / "etcd") as etcd:
-        summary = spotline_train(
-            CONFIG,
-            *TOPOLOGIES["1x4"],
-            "--store",
-            "etcd",
-            "--etcd-endpoint",
-            etcd.endpoint,
-            "--inject",
-            "kill:3:2:send",
-        )
-    assert summary["param_sha256"] == baselines["1x4"]
-    assert summary["recoveries"] == 1
 
 
 def test_random_preemptions_complete_with_the_same_hash(spotline_train) -> None:
