@@ -126,10 +126,10 @@ def exact_sum(
     flats = [g.detach().reshape(-1).to(torch.float32) for _, g in ordered]
     result = torch.empty(numel, dtype=torch.float32) if out is None else out
     assert result.shape == (numel,) and result.dtype == torch.float32, "out: flat float32"
-    hosts = [0] * num_logical_workers
-    if distributed and dist.get_world_size(group) > 1:
-        hosts = _hosts(ids, num_logical_workers, group)
-        _sharded_sum(flats, result, group, hosts, scale)
+    # Over processes only where there are several (a one-process group is the local fold).
+    sharded = distributed and dist.get_world_size(group) > 1
+    if sharded:
+        _sharded_sum(flats, result, group, _hosts(ids, num_logical_workers, group), scale)
     else:
         assert len(flats) == num_logical_workers, "every logical worker hosted here"
         for start in range(0, numel, CHUNK):
@@ -140,7 +140,7 @@ def exact_sum(
         bad = torch.zeros(num_logical_workers, dtype=torch.int32)
         for (worker, _), flat in zip(ordered, flats, strict=True):
             bad[worker] = int(not _finite(flat))
-        if distributed and dist.get_world_size(group) > 1:
+        if sharded:
             dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
         raise NonFiniteGradient([w for w in range(num_logical_workers) if bad[w]])
     return result.to(dtype).view(shape)
@@ -170,7 +170,8 @@ def _hosts(
     hosts[list(ids)] = rank
     dist.all_reduce(hosts, op=dist.ReduceOp.MAX, group=group)
     found = [int(h) for h in hosts]
-    # Hosted twice would show as the higher rank here and be summed twice: the plan's bug.
+    # One hosted twice shows as the higher rank only; _sharded_sum's count check then fails
+    # on the other (a plan's bug, never a user's).
     assert all(h >= 0 for h in found), f"logical workers hosted nowhere: {found}"
     return found
 

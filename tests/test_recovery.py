@@ -9,6 +9,7 @@ compares `param_sha256` with the undisturbed run of the same config.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -67,15 +68,14 @@ def test_sigkill_mid_step_is_taken_over_from_memory(
     config = CONFIG
     if variant == "eager":
         config = small_config(training={"steps": STEPS}, redundancy={"mode": "eager"})
-    if variant == "etcd":
-        from spotline.stores import start_local_etcd
+    with contextlib.ExitStack() as stack:
+        if variant == "etcd":
+            from spotline.stores import ETCD_BINARY, start_local_etcd
 
-        if not Path("/usr/bin/etcd").exists():
-            pytest.skip("etcd-server is not installed (.ci/run installs it)")
-        with start_local_etcd(tmp_path / "etcd") as etcd:
-            store = ("--store", "etcd", "--etcd-endpoint", etcd.endpoint)
-            summary = spotline_train(config, *TOPOLOGIES[topology], *flags, *store)
-    else:
+            if not Path(ETCD_BINARY).exists():
+                pytest.skip("etcd-server is not installed (.ci/run installs it)")
+            etcd = stack.enter_context(start_local_etcd(tmp_path / "etcd"))
+            flags += ("--store", "etcd", "--etcd-endpoint", etcd.endpoint)
         summary = spotline_train(config, *TOPOLOGIES[topology], *flags)
     assert summary["param_sha256"] == baselines[topology]
     assert summary["redundancy"] == ("eager" if variant == "eager" else "lazy")

@@ -1,4 +1,4 @@
-"""``spotline bench reduce``: the exact reduction (the fixed-order sum) against a float ``all_reduce``.
+"""``spotline bench reduce``: the exact (fixed-order) sum against a float ``all_reduce``.
 
 Both in one set of gloo processes, the rank worker :mod:`spotline.launch.bench.reduce_worker`;
 ``spotline bench easyscale`` runs the same measurement at its model's gradient size.
