@@ -29,6 +29,9 @@ from spotline.plan.policies import RecoveryMode
 
 RedundancyMode = Literal["off", "lazy", "eager"]
 ReplicaDevice = Literal["accelerator", "host"]
+# What each replica holder keeps of its successor: all of it, or (with D data-parallel
+# pipelines) the whole tensors of one of D shards (spotline.plan.shards).
+ReplicaKind = Literal["full", "sharded"]
 StoreBackend = Literal["tcp", "etcd"]
 OnWriteError = Literal["stop", "continue"]
 WandbMode = Literal["offline", "online", "disabled"]
@@ -116,6 +119,13 @@ class RedundancySection:
     # workers (or falls back to the checkpoint if a stage's state is lost). More where an
     # accelerator's memory permits.
     stages_per_worker: int = DEFAULT_STAGES_PER_WORKER
+    # "full": every replica holder keeps its successor's whole state (model state 2x of
+    # redundancy off). "sharded": with D pipelines the D holders of a stage (its
+    # predecessor in each pipeline) keep one shard each, by whole tensors: model state
+    # 1 + 1/D, replica traffic and step cut by D, no replay stashes; but a stage whose
+    # owners are all lost survives only while every one of its shard holders lives.
+    # Lazy only (eager runs the successor's forward, which needs all its parameters).
+    replica: ReplicaKind = "full"
 
 
 @dataclass(frozen=True)
@@ -540,6 +550,12 @@ def validate(cfg: RunConfig) -> None:
     _positive("spotline.recovery.max_workers", sl.recovery.max_workers)
     parse_rescales(sl.elasticity.rescale)  # its form only; the CLI checks it against the run
     _check_capacity(sl.redundancy)
+    if sl.redundancy.replica == "sharded" and sl.redundancy.mode == "eager":
+        raise UserError(
+            "config key 'spotline.redundancy.replica' is \"sharded\" but redundancy mode "
+            '"eager" runs the successor\'s forward, which needs all its parameters; use '
+            'mode "lazy" or replica "full"'
+        )
     _check_evaluation(sl.evaluation)
     if sl.elasticity.rebalance_every < 0:
         raise UserError(

@@ -65,8 +65,9 @@ from spotline.lr_schedule import StepSchedule, constructor_hyper
 from spotline.plan import logical
 from spotline.plan.chaos import parse_injections
 from spotline.plan.evaluation import eval_steps
-from spotline.plan.layout import Holding, Layout, pipeline_name
+from spotline.plan.layout import Holding, Layout, ShardSource, pipeline_name
 from spotline.plan.sampler import GlobalSampler
+from spotline.plan.shards import shard_of
 from spotline.protocol import (
     CHECKPOINT_ERRORS_COUNTER,
     FINAL_HASH_KEY,
@@ -117,6 +118,10 @@ class StageState:
     opt: dict[str, dict[str, torch.Tensor]]
     grads: dict[str, torch.Tensor] | None = None  # final gradients of step `version`
     clip: float = 1.0
+    # The part held: shard ``shard`` of ``shards`` (a sharded replica: only that shard's
+    # names, spotline.plan.shards); 0 of 1: the whole stage.
+    shard: int = 0
+    shards: int = 1
 
 
 @dataclass
@@ -127,7 +132,13 @@ class Holdings:
 
     def report(self) -> list[Holding]:
         return [
-            Holding(stage=s, version=st.version, ready=st.grads is not None)
+            Holding(
+                stage=s,
+                version=st.version,
+                ready=st.grads is not None,
+                shard=st.shard,
+                shards=st.shards,
+            )
             for s, st in sorted(self.stages.items())
         ]
 
@@ -187,20 +198,28 @@ def extract_holdings(engine: RedundantPipelineEngine, logical: list[int]) -> Hol
                 grads[name] = replica.flat_grads[offset : offset + n].view_as(p).clone()
                 offset += n
         own_stages = set(out.stages)
+        # Every logical stage of the replica's physical stage, a sharded replica's empty
+        # shard of one included: the planner needs every shard of a stage reported.
+        replica_stages = [
+            stage
+            for stage in range(len(logical) - 1)
+            if replica.start <= logical[stage] < replica.stop and stage not in own_stages
+        ]
+        for stage in replica_stages:
+            out.stages[stage] = StageState(
+                engine.replica_applied_steps,
+                {},
+                {},
+                {} if grads is not None else None,
+                engine.last_clip_coefficient,
+                replica.shard,
+                replica.shards,
+            )
         for name, p in replica.named_params:
             stage = stage_of_name(name, logical)
             if stage in own_stages:
                 continue  # never: a replica holds another physical stage's layers
-            st = out.stages.setdefault(
-                stage,
-                StageState(
-                    engine.replica_applied_steps,
-                    {},
-                    {},
-                    {} if grads is not None else None,
-                    engine.last_clip_coefficient,
-                ),
-            )
+            st = out.stages[stage]
             st.params[name] = p.detach()
             st.opt[name] = _opt_state(replica.optimizer, p, clone=False)
             if st.grads is not None and grads is not None:
@@ -756,6 +775,8 @@ class ElasticWorker:
             RedundantPipelineEngine,
             redundancy=sl.redundancy.mode,
             replica_device=sl.redundancy.replica_device,
+            replica=sl.redundancy.replica,
+            logical_parts=self.logical,
         )
         # build_engine returns DeepSpeed's (untyped) PipelineEngine; it built the class asked.
         assert isinstance(engine, RedundantPipelineEngine)
@@ -811,11 +832,23 @@ class ElasticWorker:
         own_names = self._names_by_stage(engine.module.named_parameters())
         holders = plan.holders
         sources = dict(plan.sources)
+        by_shard: dict[int, list[ShardSource]] = {}
+        for part in plan.shard_sources:
+            by_shard.setdefault(part.stage, []).append(part)
         ops: list[dist.P2POp] = []
         incoming: list[tuple[int, torch.Tensor]] = []
+        # A stage no member holds whole: (its names of each shard, the buffer or the
+        # holding it comes from), assembled once every transfer is done.
+        pieces: dict[int, list[tuple[list[tuple[str, torch.Size]], torch.Tensor | StageState]]]
+        pieces = {}
         for member in layout.members:
             for stage in layout.stages_of(member):
                 if member in holders[stage]:
+                    continue
+                if stage in by_shard:
+                    self._shard_transfers(
+                        stage, member, by_shard[stage], own_names, layout, ops, pieces
+                    )
                     continue
                 src = sources[stage]
                 if src == self.wid:
@@ -837,6 +870,49 @@ class ElasticWorker:
                 work.wait()
         for stage, buf in incoming:
             self.holdings.stages[stage] = unpack(own_names[stage], buf, plan.resume_step)
+        for stage, parts in pieces.items():
+            whole = StageState(plan.resume_step, {}, {})
+            for names, got in parts:
+                piece = got if isinstance(got, StageState) else unpack(names, got, plan.resume_step)
+                assert piece.version == plan.resume_step and sorted(piece.params) == [
+                    n for n, _ in names
+                ]
+                whole.params.update(piece.params)
+                whole.opt.update(piece.opt)
+            assert sorted(whole.params) == sorted(n for n, _ in own_names[stage]), stage
+            self.holdings.stages[stage] = whole
+
+    def _shard_transfers(
+        self,
+        stage: int,
+        member: str,
+        parts: Sequence[ShardSource],
+        own_names: Mapping[int, list[tuple[str, torch.Size]]],
+        layout: Layout,
+        ops: list[dist.P2POp],
+        pieces: dict[int, list[tuple[list[tuple[str, torch.Size]], torch.Tensor | StageState]]],
+    ) -> None:
+        """``member`` lacks ``stage``, which no member holds whole: each shard's source sends
+        it its shard (``pack`` of that shard's names), ``member`` receives each (its own
+        shard, if it holds one, is taken as it is)."""
+        for part in parts:
+            if part.worker == self.wid and member != self.wid:
+                st = self.holdings.stages[stage]
+                assert (st.shard, st.shards) == (part.shard, part.shards), (stage, part)
+                names = self._names_for_stage_from_holdings(stage)
+                if names:  # a stage with fewer tensors than shards leaves some empty
+                    ops.append(dist.P2POp(dist.isend, pack(names, st), layout.rank_of(member)))
+            if member == self.wid:
+                numels = sorted((n, int(shape.numel())) for n, shape in own_names[stage])
+                keep = set(shard_of(numels, part.shard, part.shards))
+                names = [(n, shape) for n, shape in own_names[stage] if n in keep]
+                names.sort()
+                if part.worker == self.wid:
+                    pieces.setdefault(stage, []).append((names, self.holdings.stages[stage]))
+                elif names:
+                    buf = torch.empty(packed_numel(names))
+                    ops.append(dist.P2POp(dist.irecv, buf, layout.rank_of(part.worker)))
+                    pieces.setdefault(stage, []).append((names, buf))
 
     def _load_own_stages(self, engine: RedundantPipelineEngine) -> None:
         """Copy the held own stages' parameters into the engine and hand it their optimizer
@@ -853,9 +929,13 @@ class ElasticWorker:
                 engine.optimizer.state[params[name]] = dict(st.opt[name])
 
     def _load_replica(self, engine: RedundantPipelineEngine, resume: int) -> None:
-        """Replicas: each physical stage sends its whole state to its predecessor."""
+        """Replicas: each physical stage sends its whole state (a sharded replica's holder: its
+        shard) to its predecessor."""
         assert engine.replica is not None
-        mine = self._names_by_stage(engine.module.named_parameters())
+        # A sharded replica's holder gets only its shard (the names it keeps).
+        mine = self._names_by_stage(
+            (n, p) for n, p in engine.module.named_parameters() if n in engine.held_by_predecessor
+        )
         my_state = self._engine_stage_state(engine, clone=False)  # packed at once: one copy
         flat_out = torch.empty(sum(packed_numel(mine[s]) for s in sorted(mine)))
         offset = 0

@@ -78,11 +78,11 @@ Every value but counters and ``pg/<g>`` is sealed with the job token (``spotline
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, get_args
 
-from spotline.plan.layout import Holding, Layout, WorkerReport
+from spotline.plan.layout import Holding, Layout, ShardSource, WorkerReport
 
 
 class Store(Protocol):
@@ -263,9 +263,10 @@ class Plan:
 
     ``logical``: which logical data-parallel workers each physical pipeline (by
     ``spotline.plan.layout.pipeline_name``) runs; ``holders``: per logical stage, the
-    members that hold it at ``resume_step`` (empty: a fresh start, everyone builds the
+    members that hold it whole at ``resume_step`` (empty: a fresh start, everyone builds the
     initial weights); ``sources``: per logical stage, the member that sends it to members
-    that lack it; ``checkpoint_interval``: steps between checkpoints (the coordinator
+    that lack it (``shard_sources`` instead for a stage no member holds whole: each shard's
+    member sends its shard); ``checkpoint_interval``: steps between checkpoints (the coordinator
     decides: given, or Young/Daly, or shorter while the plan is exposed:
     ``spotline.plan.exposure``), counted from ``checkpoint_from``: a member checkpoints each
     step ``checkpoint_from + k * checkpoint_interval`` (k >= 0) it commits (0: the multiples
@@ -281,9 +282,15 @@ class Plan:
     checkpoint_interval: int = 0
     checkpoint_step: int | None = None
     checkpoint_from: int = 0
+    # The stages no member holds whole, assembled from every shard of one count (sharded
+    # replicas; spotline.plan.layout.GenerationPlan.shard_sources): never in ``sources``.
+    shard_sources: tuple[ShardSource, ...] = ()
 
     def __post_init__(self) -> None:
         assert self.action in get_args(PlanAction), self.action
+        assert not {s for s, _ in self.sources} & {s.stage for s in self.shard_sources}, (
+            "a stage comes from one member or from its shards, not both"
+        )
         assert (self.checkpoint_step is not None) == (self.action == "restore"), (
             "a restore plan, and only one, names the checkpoint step it reads"
         )
@@ -309,6 +316,10 @@ class Plan:
             "sources": [[s, w] for s, w in self.sources],
             "checkpoint_interval": self.checkpoint_interval,
         }
+        if self.shard_sources:
+            out["shard_sources"] = [
+                [x.stage, x.worker, x.shard, x.shards] for x in self.shard_sources
+            ]
         if self.checkpoint_from:
             out["checkpoint_from"] = self.checkpoint_from
         if self.checkpoint_step is not None:
@@ -336,6 +347,10 @@ class Plan:
                 int(raw["checkpoint_step"]) if raw.get("checkpoint_step") is not None else None
             ),
             checkpoint_from=int(raw.get("checkpoint_from", 0)),
+            shard_sources=tuple(
+                ShardSource(int(s), str(w), int(i), int(n))
+                for s, w, i, n in raw.get("shard_sources", ())
+            ),
         )
 
     def encode(self) -> str:
@@ -461,6 +476,16 @@ class WorkerStats:
     setups: tuple[GenerationSetup, ...] = ()
 
 
+def _holding(raw: Sequence[Any]) -> Holding:
+    """A holding from its JSON list: ``[stage, version, ready]`` (the whole stage) or with
+    ``shard, shards`` after it."""
+    if len(raw) == 3:
+        stage, version, ready = raw
+        return Holding(int(stage), int(version), bool(ready))
+    stage, version, ready, shard, shards = raw
+    return Holding(int(stage), int(version), bool(ready), int(shard), int(shards))
+
+
 @dataclass(frozen=True)
 class Report:
     """What a worker says at the end of a generation (``report/<g>/<w>``).
@@ -492,7 +517,14 @@ class Report:
         return {
             "worker": self.worker,
             "outcome": self.outcome,
-            "holdings": [[h.stage, h.version, h.ready] for h in self.holdings],
+            # The whole stage in the 3-field form (what older workers wrote); a shard adds
+            # its index and count.
+            "holdings": [
+                [h.stage, h.version, h.ready]
+                if h.whole
+                else [h.stage, h.version, h.ready, h.shard, h.shards]
+                for h in self.holdings
+            ],
             "previous_slot": list(self.previous_slot) if self.previous_slot else None,
             "losses": {str(k): v for k, v in self.losses.items()},
             "step_times": {str(k): v for k, v in self.step_times.items()},
@@ -530,7 +562,7 @@ class Report:
         return cls(
             worker=str(raw["worker"]),
             outcome=raw["outcome"],
-            holdings=tuple(Holding(int(s), int(v), bool(r)) for s, v, r in raw["holdings"]),
+            holdings=tuple(_holding(h) for h in raw["holdings"]),
             previous_slot=(int(previous[0]), int(previous[1])) if previous else None,
             losses={int(k): float(v) for k, v in raw["losses"].items()},
             step_times={int(k): float(v) for k, v in raw["step_times"].items()},

@@ -23,6 +23,16 @@ Modes:
 
 The replica lives outside ``engine.module`` (a plain attribute DeepSpeed does not walk), so
 DeepSpeed's optimizer, gradient reduction, clipping and checkpoints never see it.
+
+Replicas (``spotline.redundancy.replica``):
+
+- ``full``: the holder keeps its successor's whole state.
+- ``sharded``: with ``D`` physical pipelines the ``D`` holders of a stage (its predecessor
+  in every pipeline) keep one shard each: the holder in pipeline ``p`` keeps, of each
+  logical stage of its successor, the whole tensors of shard ``p`` of ``D``
+  (``spotline.plan.shards``); its owner sends it only those tensors' gradients and it steps
+  only them. It cannot replay its successor (lazy only, no stashes): a stage whose owners
+  are all lost is assembled from the shards of every pipeline.
 """
 
 from __future__ import annotations
@@ -44,7 +54,31 @@ from spotline.exact import LogicalGradients
 from spotline.lr_schedule import constructor_hyper
 from spotline.memory import model_state_bytes
 from spotline.plan import schedule as plan
+from spotline.plan.shards import shard_of
 from spotline.protocol import ModelStateBytes
+
+REPLICA_KINDS = ("full", "sharded")
+
+
+def layer_of(name: str) -> int:
+    """The global layer index a parameter name starts with (``"3.attn.c_attn.weight"``)."""
+    return int(name.split(".", 1)[0])
+
+
+def shard_names_of(
+    named: Sequence[tuple[str, torch.Tensor]], logical: Sequence[int], shard: int, shards: int
+) -> set[str]:
+    """The names of ``named`` in shard ``shard`` of ``shards``: each logical stage's (by the
+    layer boundaries ``logical``) tensors sharded on their own (``spotline.plan.shards``),
+    so that a shard of a logical stage means the same whatever physical stage holds it."""
+    by_stage: dict[int, list[tuple[str, int]]] = {}
+    for name, p in named:
+        layer = layer_of(name)
+        stage = next(s for s in range(len(logical) - 1) if logical[s] <= layer < logical[s + 1])
+        by_stage.setdefault(stage, []).append((name, p.numel()))
+    return {
+        name for entries in by_stage.values() for name in shard_of(sorted(entries), shard, shards)
+    }
 
 
 class StashOutput(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
@@ -153,17 +187,34 @@ class Replica:
         engine: SpotlinePipelineEngine,
         stage: int,
         device: torch.device,
+        *,
+        shard: int = 0,
+        shards: int = 1,
+        logical: Sequence[int] | None = None,
     ) -> None:
+        """``shard`` of ``shards`` (``shards`` > 1: a sharded replica): keep only that
+        shard's tensors of each logical stage (layer boundaries ``logical``)."""
         module = engine.module
         self.stage = stage
+        self.shard, self.shards = shard, shards
         self.start, self.stop = module.parts[stage], module.parts[stage + 1]
-        self.layers = torch.nn.ModuleDict()
+        layers = torch.nn.ModuleDict()
         self.forward_funcs: list[Callable[[torch.Tensor], torch.Tensor]] = []
         for layer_idx in range(self.start, self.stop):
             layer = module._layer_specs[layer_idx].build().to(device)
-            self.layers[str(layer_idx)] = layer
+            layers[str(layer_idx)] = layer
             layer.register_forward_pre_hook(engine._make_reseed_hook(layer_idx))
-        self.named_params = list(self.layers.named_parameters())
+        named = list(layers.named_parameters())
+        self.layers: torch.nn.ModuleDict | None = layers
+        if shards > 1:
+            assert logical is not None
+            keep = shard_names_of(named, logical, shard, shards)
+            # Only the shard's tensors stay referenced: the layers (and every other
+            # parameter) are freed here. Module order, as the owner sends its gradients.
+            named = [(n, p) for n, p in named if n in keep]
+            self.layers = None
+        del layers
+        self.named_params = named
         self.params = [p for _, p in self.named_params]
         opt = engine.optimizer
         # The owner's optimizer class and hyper-parameters.
@@ -172,7 +223,13 @@ class Replica:
         self.loss_fn = module.loss_fn
         self.flat_grads: torch.Tensor | None = None
 
+    @property
+    def sharded(self) -> bool:
+        return self.shards > 1
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # A sharded replica has no layers: the schedule never replays it (no stashes).
+        assert self.layers is not None, "a sharded replica cannot run its stage"
         for layer_idx in range(self.start, self.stop):
             x = self.layers[str(layer_idx)](x)
         return x
@@ -220,18 +277,48 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
     """``SpotlinePipelineEngine`` plus Bamboo replicas and redundant computation."""
 
     def __init__(
-        self, *args: Any, redundancy: str = "off", replica_device: str = "host", **kwargs: Any
+        self,
+        *args: Any,
+        redundancy: str = "off",
+        replica_device: str = "host",
+        replica: str = "full",
+        logical_parts: Sequence[int] | None = None,
+        **kwargs: Any,
     ) -> None:
+        """``replica``: ``"full"`` or ``"sharded"`` (see the module docstring);
+        ``logical_parts``: the logical stages' layer boundaries, which shards are made by
+        (None: the physical stages are the logical ones)."""
         super().__init__(*args, **kwargs)
         if redundancy not in plan.REDUNDANCY_MODES:
             raise ValueError(f"redundancy {redundancy!r}: expected one of {plan.REDUNDANCY_MODES}")
+        if replica not in REPLICA_KINDS:
+            raise ValueError(f"replica {replica!r}: expected one of {REPLICA_KINDS}")
         # One stage cannot hold a replica of another: nothing redundant to do.
         self.redundancy = redundancy if self.num_stages > 1 else "off"
         device = torch.device("cpu") if replica_device == "host" else self.device
+        logical = list(logical_parts) if logical_parts is not None else list(self.module.parts)
+        # Sharded over the physical pipelines; with one, the one shard is the whole.
+        shards = int(self.grid.get_data_parallel_world_size()) if replica == "sharded" else 1
+        shard = int(self.grid.data_parallel_id) if shards > 1 else 0
+        self.replica_shard, self.replica_shards = shard, shards
         self.replica: Replica | None = None
+        # Names of this stage's parameters its replica holder keeps (this pipeline's shard;
+        # all of them for a full replica): what this stage sends it and is compared with.
+        self.held_by_predecessor: set[str] = {n for n, _ in self.module.named_parameters()}
         if self.redundancy != "off":
-            self.replica = Replica(self, (self.stage_id + 1) % self.num_stages, device)
-        self._plan = plan.add_redundancy(self._plan, self.redundancy)
+            self.replica = Replica(
+                self,
+                (self.stage_id + 1) % self.num_stages,
+                device,
+                shard=shard,
+                shards=shards,
+                logical=logical,
+            )
+            if shards > 1:
+                self.held_by_predecessor = shard_names_of(
+                    list(self.module.named_parameters()), logical, shard, shards
+                )
+        self._plan = plan.add_redundancy(self._plan, self.redundancy, replay=shards == 1)
         plan.validate(self._plan)
         self.stash = StepStash()
         self.replica_grads_from = "owner"  # or "replay": a test of the takeover path
@@ -399,7 +486,15 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
     # -- replica synchronisation ------------------------------------------------------------
     def _exec_replica_grad_send(self) -> None:
         t0 = time.perf_counter()
-        flat = torch.cat([p.grad.detach().reshape(-1) for p in self.module.parameters()])
+        # Module order, as the replica lists its parameters; a sharded replica's holder
+        # gets only its shard's gradients.
+        flat = torch.cat(
+            [
+                p.grad.detach().reshape(-1)
+                for n, p in self.module.named_parameters()
+                if n in self.held_by_predecessor
+            ]
+        )
         self._pending_send = dist.P2POp(dist.isend, flat, self._peer(self.stage_id - 1))
         self.replica_sync_s += time.perf_counter() - t0
 
@@ -563,7 +658,9 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
 
     # -- exactness checks -------------------------------------------------------------------
     def own_digest(self) -> str:
-        return state_digest(list(self.module.named_parameters()), self.optimizer)
+        """This stage's state as its replica holder keeps it (its shard, when sharded)."""
+        named = [(n, p) for n, p in self.module.named_parameters() if n in self.held_by_predecessor]
+        return state_digest(named, self.optimizer)
 
     def replica_digest(self) -> str:
         assert self.replica is not None

@@ -197,6 +197,7 @@ def setup_worker(cfg: RunConfig) -> Worker:
         RedundantPipelineEngine,
         redundancy=sl.redundancy.mode,
         replica_device=sl.redundancy.replica_device,
+        replica=sl.redundancy.replica,
     )
     sampler = GlobalSampler(
         num_samples=len(inputs.corpus),

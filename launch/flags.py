@@ -26,6 +26,7 @@ FLAG_KEYS: dict[str, str] = {
     "eval_every": "spotline.evaluation.interval_steps",
     "eval_max_samples": "spotline.evaluation.max_samples",
     "redundancy": "spotline.redundancy.mode",
+    "replica": "spotline.redundancy.replica",
     "wandb": "spotline.tracking.wandb",
     "recovery": "spotline.recovery.mode",
     "trace": "spotline.recovery.trace",
@@ -93,6 +94,11 @@ def add_run_flags(parser: argparse.ArgumentParser, *, with_workers: bool) -> Non
         help="evaluate on the eval set's first N rows only (default: all)",
     )
     parser.add_argument("--redundancy", help="off, lazy or eager (Bamboo redundant computation)")
+    parser.add_argument(
+        "--replica",
+        help="full (default) or sharded: each of D pipelines' replica holders keeps 1/D of "
+        "its successor's state (lazy only)",
+    )
     parser.add_argument(
         "--logical-workers",
         type=int,

@@ -46,19 +46,38 @@ from collections.abc import Callable, Collection
 
 from spotline.checkpoint_manifest import young_daly_interval_s
 from spotline.plan.layout import Layout
-from spotline.plan.placement import copies
+from spotline.plan.placement import copies, copy_sets
 
 EXPOSED_DOMAINS = 2
 """A plan is exposed when some stage's copies sit on at most this many failure domains."""
 
 
 def exposed_stages(
-    layout: Layout, domain_of: Callable[[str], str], *, replicas: bool = True
+    layout: Layout,
+    domain_of: Callable[[str], str],
+    *,
+    replicas: bool = True,
+    sharded: bool = False,
 ) -> tuple[int, ...]:
     """The logical stages of ``layout`` whose copies sit on at most :data:`EXPOSED_DOMAINS`
     failure domains (``domain_of``: a member's machine, or the member itself), stage
     order. ``replicas``: members hold their successor's replica (Bamboo's redundancy; off:
-    a stage's copies are only the members that run it)."""
+    a stage's copies are only the members that run it). ``sharded``: the replica holders
+    of a stage hold one shard each, one copy between them
+    (:func:`spotline.plan.placement.copy_sets`): the stage is lost with the domains of its
+    owners and any one of its shard holders', so it counts the fewest domains whose loss
+    takes every copy."""
+    if replicas and sharded:
+        found = []
+        for stage, sets in copy_sets(layout, sharded=True).items():
+            single = {domain_of(c[0]) for c in sets if len(c) == 1}
+            shared = [c for c in sets if len(c) > 1]
+            # One shard set at most: the replica holders of the one physical stage before.
+            assert len(shared) <= 1, sets
+            extra = any(not any(domain_of(w) in single for w in c) for c in shared)
+            if len(single) + extra <= EXPOSED_DOMAINS:
+                found.append(stage)
+        return tuple(found)
     if replicas:
         held = copies(layout)
     else:

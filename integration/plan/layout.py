@@ -72,11 +72,40 @@ def pipeline_name(pipeline: int) -> str:
 @dataclass(frozen=True)
 class Holding:
     """One logical stage's state on one worker: ``version`` steps applied; ``ready``: it also
-    holds the reduced gradients of step ``version`` (so it can apply that step)."""
+    holds the reduced gradients of step ``version`` (so it can apply that step).
+
+    ``shard`` of ``shards``: the part of the stage it holds (a data-parallel-sharded
+    replica, ``spotline.plan.shards``: whole tensors of shard ``shard``); 0 of 1: the whole
+    stage. A shard is never a source of the whole stage on its own: only every shard of one
+    count, together."""
 
     stage: int
     version: int
     ready: bool
+    shard: int = 0
+    shards: int = 1
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.shard < self.shards, f"shard {self.shard} of {self.shards}"
+
+    @property
+    def whole(self) -> bool:
+        return self.shards == 1
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    """A plan's source of shard ``shard`` of ``shards`` of logical stage ``stage``: a stage
+    no member holds whole is assembled from every shard of one count, each from its own
+    member (``GenerationPlan.shard_sources``)."""
+
+    stage: int
+    worker: str
+    shard: int
+    shards: int
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.shard < self.shards, f"shard {self.shard} of {self.shards}"
 
 
 @dataclass(frozen=True)
@@ -183,6 +212,9 @@ class GenerationPlan:
     sources: tuple[tuple[int, str], ...]  # (logical stage, member that provides its state)
     reason: str
     exposed: tuple[Exposure, ...] = ()
+    # The stages no member holds whole, each from every shard of one count (a stage is in
+    # ``sources`` or here, never both): shard order within a stage.
+    shard_sources: tuple[ShardSource, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -241,42 +273,89 @@ def initial_layout(
 
 
 def member_holdings(
-    layout: Layout, version: int, *, replicas: bool
+    layout: Layout, version: int, *, replicas: bool, sharded: bool = False
 ) -> dict[str, tuple[Holding, ...]]:
     """What each member holds after ``version`` committed steps of ``layout``: its own
     logical stages and, with redundancy on, its successor physical stage's (the last
-    physical stage holds the first, as in Bamboo). A single physical stage has no replica."""
+    physical stage holds the first, as in Bamboo). A single physical stage has no replica.
+    ``sharded``: the replica of pipeline ``p`` of ``P`` is shard ``p`` of ``P`` of each of
+    its stages (``spotline.redundancy.replica: "sharded"``; one pipeline: the whole)."""
     held: dict[str, tuple[Holding, ...]] = {}
     num_physical = layout.num_physical_stages
-    for row in layout.slots:
+    shards = layout.num_pipelines if sharded else 1
+    for pipeline, row in enumerate(layout.slots):
         for index, worker in enumerate(row):
-            stages = set(layout.groups[index])
+            own = [Holding(stage, version, False) for stage in layout.groups[index]]
             successor = replica_of(index, num_physical) if replicas else None
+            replica = []
             if successor is not None:
-                stages |= set(layout.groups[successor])
-            held[worker] = tuple(Holding(stage, version, False) for stage in sorted(stages))
+                replica = [
+                    Holding(stage, version, False, pipeline % shards, shards)
+                    for stage in layout.groups[successor]
+                ]
+            held[worker] = tuple(sorted(own + replica, key=lambda h: h.stage))
     return held
 
 
-def committed_state(
-    reports: Sequence[WorkerReport], num_stages: int
-) -> tuple[int, dict[int, list[str]]] | FatalLoss:
-    """The committed step and, per logical stage, the workers holding it at that step."""
+@dataclass(frozen=True)
+class Committed:
+    """:func:`committed_holders`' answer: the committed step, per logical stage the workers
+    holding it whole at that step (``usable``; empty for a stage held only in shards) and,
+    for each stage no worker holds whole, the workers holding shard 0, 1, ... of one shard
+    count (``shards``: every one of them is needed)."""
+
+    step: int
+    usable: dict[int, list[str]]
+    shards: dict[int, tuple[str, ...]]
+
+
+def committed_holders(reports: Sequence[WorkerReport], num_stages: int) -> Committed | FatalLoss:
+    """The committed step and where every logical stage's state is at that step: held whole
+    by some worker, or else in every shard of one count (the fewest shards that are all
+    held, each shard's first holder in report order). Neither: a fatal loss."""
     versions = [h.version for r in reports for h in r.holdings]
     if not versions:
         return FatalLoss(tuple(range(num_stages)), "no worker holds any state")
     committed = max(versions)
     # Holders in report order (a dict as an ordered set: a worker reports a stage once).
     holders: dict[int, dict[str, None]] = {s: {} for s in range(num_stages)}
+    # stage -> shard count -> shard -> its first holder
+    parts: dict[int, dict[int, dict[int, str]]] = {s: {} for s in range(num_stages)}
     for report in reports:
         for h in report.holdings:
             if h.version == committed or (h.version == committed - 1 and h.ready):
-                holders[h.stage][report.worker] = None
+                if h.whole:
+                    holders[h.stage][report.worker] = None
+                else:
+                    parts[h.stage].setdefault(h.shards, {}).setdefault(h.shard, report.worker)
     usable = {s: list(ws) for s, ws in holders.items()}
-    lost = tuple(s for s, holders in usable.items() if not holders)
+    shards: dict[int, tuple[str, ...]] = {}
+    for stage, by_count in parts.items():
+        if usable[stage]:
+            continue  # a whole copy is preferred: one source, no assembly
+        complete = [count for count, held in sorted(by_count.items()) if len(held) == count]
+        if complete:
+            count = complete[0]
+            shards[stage] = tuple(by_count[count][i] for i in range(count))
+    lost = tuple(s for s in range(num_stages) if not usable[s] and s not in shards)
     if lost:
         return FatalLoss(lost, f"no live worker holds stage(s) {list(lost)} at step {committed}")
-    return committed, usable
+    return Committed(committed, usable, shards)
+
+
+def committed_state(
+    reports: Sequence[WorkerReport], num_stages: int
+) -> tuple[int, dict[int, list[str]]] | FatalLoss:
+    """The committed step and, per logical stage, the workers holding it at that step (for
+    a stage held only in shards, its shard holders: all of them are needed; see
+    :func:`committed_holders`)."""
+    state = committed_holders(reports, num_stages)
+    if isinstance(state, FatalLoss):
+        return state
+    usable = {
+        s: list(state.shards[s]) if s in state.shards else ws for s, ws in state.usable.items()
+    }
+    return state.step, usable
 
 
 def choose_layout(
@@ -287,15 +366,24 @@ def choose_layout(
     *,
     elastic: bool = False,
     capacity: Capacity | None = None,
+    shards: Mapping[int, tuple[str, ...]] | None = None,
 ) -> Layout | None:
     """Pick groups and an assignment that move the least state (see the module rules).
 
     ``usable`` must be coverable by the layout's members (every caller but
     :func:`plan_generation`, which reports the contrary as a :class:`FatalLoss`, passes
-    nothing usable or every stage on every worker). None: too few workers for the pipelines
-    or, with a ``capacity``, to hold the model within it (``Capacity.fewest_workers``)."""
+    nothing usable or every stage on every worker). ``shards``: stages held only in shards
+    (:class:`Committed`), whose every shard holder must be a member. None: too few workers
+    for the pipelines or, with a ``capacity``, to hold the model within it
+    (``Capacity.fewest_workers``)."""
     layout = _choose_layout(
-        num_stages, num_pipelines, reports, usable, elastic=elastic, capacity=capacity
+        num_stages,
+        num_pipelines,
+        reports,
+        usable,
+        elastic=elastic,
+        capacity=capacity,
+        shards=shards,
     )
     assert not isinstance(layout, FatalLoss), layout.reason
     return None if isinstance(layout, _Short) else layout
@@ -309,7 +397,9 @@ def _choose_layout(
     *,
     elastic: bool,
     capacity: Capacity | None = None,
+    shards: Mapping[int, tuple[str, ...]] | None = None,
 ) -> Layout | FatalLoss | _Short | None:
+    shards = shards or {}
     workers = [r.worker for r in reports]
     previous = {r.worker: r.previous_slot for r in reports}
     logical_pipelines = num_pipelines
@@ -327,7 +417,7 @@ def _choose_layout(
     for groups in contiguous_groupings(num_stages, num_physical):
         if capacity is not None and not capacity.fits(groups):
             continue  # some worker would run more stages than its memory has room for
-        assigned = _assign(num_stages, num_pipelines, groups, workers, previous, usable)
+        assigned = _assign(num_stages, num_pipelines, groups, workers, previous, usable, shards)
         if isinstance(assigned, FatalLoss):
             failed = failed or assigned
             continue
@@ -341,7 +431,7 @@ def _choose_layout(
     said = _machines(reports)
     if said is None:
         return best[1]
-    return place(best[1], said, usable, previous, workers)
+    return place(best[1], said, usable, previous, workers, shards)
 
 
 def _machines(reports: Sequence[WorkerReport]) -> dict[str, str] | None:
@@ -358,6 +448,7 @@ def _assign(
     workers: list[str],
     previous: dict[str, tuple[int, int] | None],
     usable: dict[int, list[str]],
+    shards: Mapping[int, tuple[str, ...]],
 ) -> tuple[Layout, int] | FatalLoss:
     # Indexed so that a plan for a thousand workers takes milliseconds (the simulator plans
     # clusters of that size); the choices are the module rules' exactly.
@@ -403,21 +494,30 @@ def _assign(
             del free[chosen]
             slots[pipeline][stage_idx] = chosen
             cost += missing(chosen, group)
-    # Every stage must have a source among the members (standbys are outside the group).
+    # Every stage must have a source among the members (standbys are outside the group):
+    # a member holding it whole or, for a stage held only in shards, every shard's holder.
     members = {w for row in slots for w in row}
+
+    def covered(stage: int, out: str = "", incoming: str = "") -> bool:
+        """Whether the members (``out`` swapped for ``incoming``) can provide ``stage``."""
+        if stage in shards:
+            return all((w in members and w != out) or w == incoming for w in shards[stage])
+        return any((w in members and w != out) or w == incoming for w in usable[stage])
+
     for stage in range(num_stages):
-        if usable and not any(w in members for w in usable[stage]):
-            holder = next(w for w in usable[stage] if w in free)
+        while usable and not covered(stage):
+            needed = shards[stage] if stage in shards else usable[stage]
+            holder = next(w for w in needed if w in free)
             # The swapped-out member must not be the only member source of a stage already
-            # checked (the holder coming in may hold it too): the loop never looks back.
+            # checked (the holder coming in may hold it too): the loop never looks back. Nor
+            # one of this stage's shard holders already in: all of them are needed.
+            keep = set(shards.get(stage, ()))
             safe = [
                 (p, i)
                 for p in range(num_pipelines)
                 for i in range(len(groups))
-                if all(
-                    any(w in members and w != slots[p][i] or w == holder for w in usable[s])
-                    for s in range(stage)
-                )
+                if slots[p][i] not in keep
+                and all(covered(s, slots[p][i], holder) for s in range(stage))
             ]
             if not safe:
                 # Every member is some checked stage's only source: this many members cannot
@@ -451,6 +551,7 @@ def plan_generation(
     *,
     elastic: bool = False,
     capacity: None = None,
+    sharded: bool = False,
 ) -> GenerationPlan | FatalLoss: ...
 
 
@@ -463,6 +564,7 @@ def plan_generation(
     *,
     elastic: bool = False,
     capacity: Capacity,
+    sharded: bool = False,
 ) -> GenerationPlan | WaitForCapacity | FatalLoss: ...
 
 
@@ -474,19 +576,31 @@ def plan_generation(
     *,
     elastic: bool = False,
     capacity: Capacity | None = None,
+    sharded: bool = False,
 ) -> GenerationPlan | WaitForCapacity | FatalLoss:
     """The next generation from the live workers' reports (failure, arrival or departure).
 
     With a ``capacity`` (the runtime's and the simulator's calls), no worker of the plan
     runs more logical stages than it has room for: when the live workers cannot, the answer is
     :class:`WaitForCapacity` if every stage's state survives, a :class:`FatalLoss` (fall back
-    to the checkpoint) if not. Without one (None), layouts fold stages without limit."""
-    state = committed_state(reports, num_stages)
+    to the checkpoint) if not. Without one (None), layouts fold stages without limit.
+
+    A stage no live worker holds whole but every shard of one count does (sharded replicas)
+    is recovered from those shards: their holders are made members and are the stage's
+    ``shard_sources``. ``sharded``: the plan's replicas are sharded (``exposed`` counts the
+    shard holders of a stage as one copy)."""
+    state = committed_holders(reports, num_stages)
     if isinstance(state, FatalLoss):
         return state
-    committed, usable = state
+    committed, usable, shards = state.step, state.usable, state.shards
     layout = _choose_layout(
-        num_stages, num_pipelines, reports, usable, elastic=elastic, capacity=capacity
+        num_stages,
+        num_pipelines,
+        reports,
+        usable,
+        elastic=elastic,
+        capacity=capacity,
+        shards=shards,
     )
     if isinstance(layout, FatalLoss):
         return layout
@@ -512,8 +626,19 @@ def plan_generation(
     members = layout.members
     held = {stage: set(ws) for stage, ws in usable.items()}
     sources = tuple(
-        (stage, next(w for w in members if w in held[stage])) for stage in range(num_stages)
+        (stage, next(w for w in members if w in held[stage]))
+        for stage in range(num_stages)
+        if stage not in shards
     )
+    shard_sources = tuple(
+        ShardSource(stage, worker, index, len(holders))
+        for stage, holders in sorted(shards.items())
+        for index, worker in enumerate(holders)
+    )
+    assert all(source.worker in members for source in shard_sources), shard_sources
     said = _machines(reports)
-    exposed = exposures(layout, said if said is not None else dict.fromkeys(members))
-    return GenerationPlan(generation, layout, committed, sources, "recovered", exposed)
+    on = said if said is not None else dict.fromkeys(members)
+    exposed = exposures(layout, on, sharded=sharded)
+    return GenerationPlan(
+        generation, layout, committed, sources, "recovered", exposed, shard_sources
+    )

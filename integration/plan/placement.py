@@ -81,14 +81,51 @@ def copies(layout: Layout) -> dict[int, tuple[str, ...]]:
     return {s: tuple(ws) for s, ws in held.items()}
 
 
-def exposures(layout: Layout, machines: Mapping[str, str | None]) -> tuple[Exposure, ...]:
+def copy_sets(layout: Layout, *, sharded: bool) -> dict[int, tuple[tuple[str, ...], ...]]:
+    """Logical stage -> its copies, each as the members that must all survive for it to
+    survive: every owner alone and every replica holder alone (:func:`copies`) or, with
+    ``sharded`` replicas over two or more pipelines, the replica holders of all pipelines
+    together (each holds one shard, ``spotline.plan.shards``: one copy between them, lost
+    with any of them)."""
+    if not sharded or layout.num_pipelines == 1:
+        return {s: tuple((w,) for w in ws) for s, ws in copies(layout).items()}
+    num_physical = layout.num_physical_stages
+    held: dict[int, list[tuple[str, ...]]] = {s: [] for s in range(layout.num_stages)}
+    for index, group in enumerate(layout.groups):
+        owners = [(row[index],) for row in layout.slots]
+        for stage in group:
+            held[stage] += owners
+    for index in range(num_physical):
+        successor = replica_of(index, num_physical)
+        if successor is None:
+            continue
+        shard_holders = tuple(row[index] for row in layout.slots)
+        for stage in layout.groups[successor]:
+            held[stage].append(shard_holders)
+    return {s: tuple(cs) for s, cs in held.items()}
+
+
+def exposures(
+    layout: Layout, machines: Mapping[str, str | None], *, sharded: bool = False
+) -> tuple[Exposure, ...]:
     """Every exposed logical stage of ``layout`` and the machine holding all its copies: the
-    check of the placement rule (empty: no single machine's loss loses a stage)."""
+    check of the placement rule (empty: no single machine's loss loses a stage). With
+    ``sharded`` replicas (:func:`copy_sets`) a stage is exposed on the machine that holds
+    every owner and one of its shard holders."""
     found = []
-    for stage, holders in copies(layout).items():
-        on = {machines[w] for w in holders}
-        if len(on) == 1:
-            found.append(Exposure(stage, next(iter(on))))
+    if not sharded:
+        for stage, holders in copies(layout).items():
+            on = {machines[w] for w in holders}
+            if len(on) == 1:
+                found.append(Exposure(stage, next(iter(on))))
+        return tuple(found)
+    for stage, sets in copy_sets(layout, sharded=True).items():
+        # Candidates in order of first appearance (a machine may be None: not said).
+        candidates = dict.fromkeys(machines[w] for copy in sets for w in copy)
+        for machine in candidates:
+            if all(any(machines[w] == machine for w in copy) for copy in sets):
+                found.append(Exposure(stage, machine))
+                break
     return tuple(found)
 
 
@@ -112,6 +149,7 @@ def place(
     usable: Mapping[int, Sequence[str]],
     previous: Mapping[str, tuple[int, int] | None],
     workers: Sequence[str],
+    shards: Mapping[int, Sequence[str]] | None = None,
 ) -> Layout:
     """``layout`` (the planner's choice by state moved) re-placed so that no stage is exposed.
 
@@ -122,12 +160,22 @@ def place(
     the members are dealt over the columns (:func:`_deal`), and within each machine each slot
     takes the worker that lacks the fewest of its stages, then the one that ran it before,
     then worker order; of the ``n`` rotations of the columns (all as safe) the one moving
-    the least state wins."""
+    the least state wins. ``shards``: stages held only in shards, every holder of which
+    stays a member (never swapped out).
+
+    The rule is Bamboo's full replicas' (:func:`exposures` without ``sharded``): a
+    placement safe for them may still leave a stage with sharded replicas exposed (its
+    owners on one machine with one of its shard holders); the plan reports that."""
     if len({machines[w] for w in workers}) < 2 or not exposures(layout, machines):
         return layout
     num_physical, num_pipelines = layout.num_physical_stages, layout.num_pipelines
     order = {w: i for i, w in enumerate(workers)}
     held = {s: set(ws) for s, ws in usable.items()}
+    shards = shards or {}
+    # Stages held only in shards need every shard holder: those never leave; the others
+    # need one member holding them whole.
+    needed = {w for ws in shards.values() for w in ws}
+    whole = {s: ws for s, ws in held.items() if s not in shards}
     members = list(layout.members)
     standby = list(layout.standby)
     limit = max_on_one_machine(num_physical, num_pipelines)
@@ -138,7 +186,7 @@ def place(
             break
         # Only machines below the limit take a standby's place, so no swap creates a new
         # crowded machine and each removes one member too many: the loop ends.
-        swap = _swap(crowded, counts, limit, members, standby, machines, held, order)
+        swap = _swap(crowded, counts, limit, members, standby, machines, whole, order, needed)
         if swap is None:
             return layout
         out, incoming = swap
@@ -199,6 +247,7 @@ def _swap(
     machines: Mapping[str, str],
     held: Mapping[int, set[str]],
     order: Mapping[str, int],
+    needed: set[str],
 ) -> tuple[str, str] | None:
     """A member of the crowded machine and a standby of another to trade places: the standby
     from the machine running the fewest members, below the limit (then worker order), the member holding the
@@ -208,7 +257,7 @@ def _swap(
         key=lambda w: (counts.get(machines[w], 0), order[w]),
     )
     outgoing = sorted(
-        (w for w in members if machines[w] == crowded),
+        (w for w in members if machines[w] == crowded and w not in needed),
         key=lambda w: (sum(w in ws for ws in held.values()), -order[w]),
     )
     for new in incoming:

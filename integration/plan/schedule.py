@@ -293,7 +293,7 @@ def train_schedule(num_stages: int, num_micro_batches: int) -> Schedule:
 # --------------------------------------------------------------------------- redundancy
 
 
-def add_redundancy(schedule: Schedule, mode: RedundancyMode) -> Schedule:
+def add_redundancy(schedule: Schedule, mode: RedundancyMode, *, replay: bool = True) -> Schedule:
     """Derive the schedule for redundancy ``mode`` from a schedule without redundancy.
 
     - ``off``: ``schedule`` itself.
@@ -310,9 +310,18 @@ def add_redundancy(schedule: Schedule, mode: RedundancyMode) -> Schedule:
 
     With one stage there is no other position to hold a replica: ``lazy`` and ``eager`` add
     nothing.
+
+    ``replay`` False (a sharded replica, ``spotline.plan.shards``: the holder has only some
+    of the successor's tensors, so it can never replay it): ``lazy`` without the stashes and
+    ``ReplicaLoad``, only the replica's gradient exchange and step; ``eager`` is refused.
     """
     if mode not in REDUNDANCY_MODES:
         raise ValueError(f"unknown redundancy mode {mode!r}; use one of {REDUNDANCY_MODES}")
+    if not replay and mode == "eager":
+        raise ValueError(
+            "eager redundancy runs the successor's forward, which a replica without replay "
+            "(sharded) cannot: use lazy"
+        )
     if schedule.mode != "off":
         raise ValueError(
             f"add_redundancy takes a schedule without redundancy, got {schedule.mode!r}"
@@ -328,7 +337,8 @@ def add_redundancy(schedule: Schedule, mode: RedundancyMode) -> Schedule:
                 f"but rank {position} runs {action}"
             )
     body, tails = _split_tails(schedule)
-    body = _add_stashes(schedule.num_stages, body)
+    if replay:
+        body = _add_stashes(schedule.num_stages, body)
     if mode == "eager":
         body = _place_redundant_forwards(schedule.num_stages, body)
     num_stages = schedule.num_stages

@@ -42,6 +42,7 @@ from spotline.plan.exposure import (
 from spotline.plan.layout import (
     FatalLoss,
     Layout,
+    ShardSource,
     WaitForCapacity,
     WorkerReport,
     choose_layout,
@@ -118,6 +119,9 @@ class Planner:
         self.exposed = False  # whether the last plan with a layout was exposed
         self.exposure_from = 0  # the step the exposed interval counts from
         self.bursts = 0  # failures that took members on two domains or more at once
+        # Sharded replicas: a stage's replica holders are one copy between them.
+        redundancy = cfg.spotline.redundancy
+        self.sharded = redundancy.mode != "off" and redundancy.replica == "sharded"
 
     # -- publishing ---------------------------------------------------------------------------
     def include(self, wid: str, generation: int) -> None:
@@ -133,7 +137,7 @@ class Planner:
             self.conductor.stop_keys(generation)  # a stop chosen earlier holds for this one too
         if plan.layout is not None:
             on = {w: self.supervisor.machine_of(w) for w in plan.layout.members}
-            exposed = exposures(plan.layout, on)
+            exposed = exposures(plan.layout, on, sharded=self.sharded)
             self.metrics.note_exposure(generation, exposed, machines=len(set(on.values())))
         self.store.set(plan_key(generation), plan.encode())
 
@@ -146,6 +150,7 @@ class Planner:
         sources: Sequence[tuple[int, str]],
         *,
         checkpoint_step: int | None = None,
+        shard_sources: Sequence[ShardSource] = (),
     ) -> Plan:
         restarted = action == "restore" or not any(holders.values())
         interval, start = self._checkpoint_schedule(layout, resume, restarted=restarted)
@@ -159,6 +164,7 @@ class Planner:
             checkpoint_interval=interval,
             checkpoint_step=checkpoint_step,
             checkpoint_from=start,
+            shard_sources=tuple(shard_sources),
         )
 
     def domain(self, worker: str) -> str:
@@ -178,7 +184,7 @@ class Planner:
         if layout is None:
             return base, 0
         replicas = self.cfg.spotline.redundancy.mode != "off"
-        exposed = bool(exposed_stages(layout, self.domain, replicas=replicas))
+        exposed = bool(exposed_stages(layout, self.domain, replicas=replicas, sharded=self.sharded))
         policy = POLICIES[self.cfg.spotline.recovery.mode]
         # base 0: checkpoints are off (the user's choice), exposed or not.
         if not (exposed and base > 0 and policy.exposure_checkpoints):
@@ -252,7 +258,9 @@ class Planner:
             lost = [self.domain(w) for w in self.layout.members if w not in live]
             self.bursts += is_burst(lost)
         capacity = self.cfg.capacity
-        result = plan_generation(g, S, P, reports, elastic=True, capacity=capacity)
+        result = plan_generation(
+            g, S, P, reports, elastic=True, capacity=capacity, sharded=self.sharded
+        )
         never_trained = (
             self.resume_step == 0
             and not any(r.holdings for r in reports)
@@ -277,8 +285,11 @@ class Planner:
         holders: dict[int, list[str]] = {s: [] for s in range(S)}
         for r in reports:
             for h in r.holdings:
-                if h.version == result.resume_step or (
-                    h.version == result.resume_step - 1 and h.ready
+                # Holders hold the whole stage: a shard is only a source with every other
+                # shard (the plan's shard_sources).
+                if h.whole and (
+                    h.version == result.resume_step
+                    or (h.version == result.resume_step - 1 and h.ready)
                 ):
                     holders[h.stage].append(r.worker)
         if isinstance(result, WaitForCapacity) or result.layout is None:
@@ -297,7 +308,17 @@ class Planner:
             self.metrics.steps_redone += max(0, reached - result.resume_step)
         self.layout = layout
         self.resume_step = result.resume_step
-        self.publish(g, self.plan("train", layout, result.resume_step, holders, result.sources))
+        self.publish(
+            g,
+            self.plan(
+                "train",
+                layout,
+                result.resume_step,
+                holders,
+                result.sources,
+                shard_sources=result.shard_sources,
+            ),
+        )
         self.metrics.event(
             "plan",
             generation=g,
