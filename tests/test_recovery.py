@@ -121,6 +121,83 @@ def test_sigkill_mid_step_is_taken_over_from_memory(
         assert step_dirs(root) == [] and summary["exposure_checkpoints"] == 0
 
 
+def _stage_numels(stages: int) -> dict[int, list[tuple[str, int]]]:
+    """Logical stage -> its parameters' (name, numel), sorted by name: the names the
+    pipeline's layers give (global layer index first), built as a worker builds them."""
+    from spotline import models
+
+    hf_config = models.load_hf_config(CONFIG["spotline"]["model"]["name"])
+    specs = models.build_layer_specs(hf_config, seed=CONFIG["spotline"]["training"]["seed"])
+    parts = models.logical_parts(hf_config, stages)
+    out: dict[int, list[tuple[str, int]]] = {}
+    for stage in range(stages):
+        named = [
+            (f"{layer}.{name}", p.numel())
+            for layer in range(parts[stage], parts[stage + 1])
+            for name, p in specs[layer].build().named_parameters()
+        ]
+        out[stage] = sorted(named)
+    models.release_weight_source(specs)
+    return out
+
+
+def test_both_owners_of_a_stage_lost_it_is_assembled_from_the_sharded_replicas(
+    spotline_train, baselines
+) -> None:
+    """``replica: sharded``, 2 stages x 2 pipelines: stage 0 of pipeline p holds shard p of
+    stage 1. Two workers arrive at step 3 (standbys), then both owners of stage 1 (w2, w3)
+    die just past step 4's commit: stage 1 survives only as the two shards, rolled forward
+    and assembled by the standbys that take it over; the bits are the full replicas' (the
+    undisturbed 2x2 run's), and each replica holds exactly its shard's tensors."""
+    config = small_config(
+        training={"steps": STEPS},
+        redundancy={"mode": "lazy", "replica": "sharded", "verify_replicas": True},
+    )
+    summary = spotline_train(
+        config,
+        *TOPOLOGIES["2x2"],
+        "--checkpoint-interval",
+        "100",
+        "--inject",
+        "add:3",
+        "--inject",
+        "add:3",
+        "--inject",
+        "kill:4:2:committed",
+        "--inject",
+        "kill:4:3:committed",
+    )
+    assert summary["param_sha256"] == baselines["2x2"]  # sharding changes no bit
+    assert summary["preemptions"] == 2 and summary["recoveries"] == 1
+    assert summary["checkpoint_fallbacks"] == 0  # from the shards, in memory
+    (event,) = summary["recovery_events"]
+    assert event["in_memory"] and event["resume_step"] == 5  # step 4 was rolled forward
+    assert summary["replica_checks"] >= 1 and summary["replica_mismatches"] == []
+    # The last layout: stage 0 on w0 (pipeline 0) and w1, stage 1 on the arrivals, which
+    # received it from the shards (their only generation).
+    setups = summary["generation_setups"]
+    assert all(len(setups[w]) == 1 and setups[w][0]["state_bytes"] > 0 for w in ("w4", "w5"))
+    from spotline.plan.shards import shard_of
+
+    numels = _stage_numels(2)
+    ranks = summary["model_state_bytes_per_rank"]
+    for rank, counts in enumerate(ranks):
+        stage, pipeline = divmod(rank, 2)  # pipe-major ranks
+        successor = (stage + 1) % 2
+        shard = set(shard_of(numels[successor], pipeline, 2))
+        held = sum(k for n, k in numels[successor] if n in shard)
+        full = sum(k for _, k in numels[successor])
+        assert counts["parameters"] == 4 * sum(k for _, k in numels[stage])
+        # float32: exactly the shard's tensors, parameters and received gradients alike.
+        assert counts["replica_parameters"] == counts["replica_gradients"] == 4 * held
+        assert 0.4 * full < held < 0.6 * full  # about half of the full replica
+        assert counts["stash"] == 0  # nothing to replay from
+        # The two shards' optimizer state is the owner's, split.
+        pair = ranks[stage * 2 + (1 - pipeline)]
+        owner = ranks[successor * 2 + pipeline]
+        assert counts["replica_optimizer"] + pair["replica_optimizer"] == owner["optimizer"]
+
+
 @pytest.mark.parametrize("topology", ["1x4", "2x2"])
 def test_sigterm_leaves_cleanly_and_a_hung_worker_is_killed_and_taken_over(
     spotline_train, baselines, topology
