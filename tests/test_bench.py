@@ -93,6 +93,7 @@ def test_per_worker_summaries_become_per_rank_lists() -> None:
         ["redundancy", "--repeats", "0"],
         ["redundancy", "--cases", "2by2"],
         ["redundancy", "--cases", "1x4"],
+        ["redundancy", "--pipelines", "0"],
         ["foundation", "--cases", "2x2"],
         ["reduce", "--ranks", "2", "--logical-workers", "3"],
         ["reduce", "--elements", "0"],

@@ -3,7 +3,7 @@
     spotline bench foundation [--steps 30] [--repeats 3] [--output runs/bench]
     spotline bench foundation --model gpt2-big     (or --ladder gpt2: tiny, mid, big)
     spotline bench foundation --stages 4           (4 stages x 1 pipeline; default 2 x 2)
-    spotline bench redundancy [--steps 30] [--repeats 3] [--cases 2x2,2x4,4x4]
+    spotline bench redundancy [--steps 30] [--repeats 3] [--cases 2x2,2x4,4x4] [--pipelines 2]
     spotline bench recovery --trace FILE [--time-scale 60] [--max-workers 3]
     spotline bench reduce [--elements 1000000] [--ranks 2] [--logical-workers 4]
     spotline bench easyscale [--workers 2]
@@ -137,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--cases",
         default=",".join(c.name for c in DEFAULT_CASES),
         help="comma-separated <stages>x<micro-batches> (default %(default)s)",
+    )
+    redundancy.add_argument(
+        "--pipelines",
+        type=int,
+        default=1,
+        help="data-parallel pipelines of each case (default 1); 2 or more add the mode "
+        "lazy-sharded (sharded replicas)",
     )
     recovery = sub.add_parser(
         "recovery", parents=[common], help="in-memory failover vs checkpoint-restart on a trace"
@@ -326,7 +333,7 @@ def run_bench(args: argparse.Namespace, settings: BenchSettings) -> tuple[dict[s
         report = bench_reduce(settings, elements, args.ranks, args.logical_workers)
         report["model"] = settings.model
         return report, format_reduce(report)
-    report = bench_redundancy(settings, parse_cases(args.cases))
+    report = bench_redundancy(settings, parse_cases(args.cases, args.pipelines))
     return report, format_redundancy(report)
 
 

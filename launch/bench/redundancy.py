@@ -1,8 +1,11 @@
 """``spotline bench redundancy``: redundancy ``off``, ``lazy`` and ``eager`` side by side.
 
-``spotline train`` with each mode for each case (stages x micro-batches, one pipeline, one
-process per stage), interleaved rounds, plus what the pure schedule says about the eager
-mode: the fraction of redundant forwards its bubbles can hide, and the steps it adds.
+``spotline train`` with each mode for each case (stages x micro-batches, one pipeline by
+default, one process per stage), interleaved rounds, plus what the pure schedule says about
+the eager mode: the fraction of redundant forwards its bubbles can hide, and the steps it
+adds. With ``--pipelines P`` (2 or more), every case runs ``P`` data-parallel pipelines and
+adds the mode ``lazy-sharded`` (lazy with ``spotline.redundancy.replica: "sharded"``: each
+replica holder keeps 1/P of its successor's state).
 """
 
 from __future__ import annotations
@@ -28,21 +31,37 @@ from spotline.launch.bench.jobs import (
 )
 from spotline.plan.schedule import REDUNDANCY_MODES
 
+SHARDED = "lazy-sharded"
+"""The bench's mode for lazy redundancy with sharded replicas (2 pipelines or more)."""
+
+# The ``spotline train`` flags of each mode.
+MODE_FLAGS: dict[str, tuple[str, ...]] = {
+    **{mode: ("--redundancy", mode) for mode in REDUNDANCY_MODES},
+    SHARDED: ("--redundancy", "lazy", "--replica", "sharded"),
+}
+
 
 @dataclass(frozen=True)
 class RedundancyCase:
-    """One shape of the redundancy benchmark: one pipeline of ``num_stages`` stages.
+    """One shape of the redundancy benchmark: ``num_pipelines`` pipelines (``--pipelines``,
+    1 by default) of ``num_stages`` stages.
 
-    One process per stage (``num_workers == num_stages``), ``num_micro_batches`` per step.
+    One process per stage and pipeline, ``num_micro_batches`` per step and pipeline.
     Written ``<stages>x<micro-batches>`` (``2x4``) on the command line and in the report.
     """
 
     num_stages: int
     num_micro_batches: int
+    num_pipelines: int = 1
 
     @property
     def num_workers(self) -> int:
-        return self.num_stages
+        return self.num_stages * self.num_pipelines
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """The modes benched: sharded replicas only where there are shards to make."""
+        return (*REDUNDANCY_MODES, SHARDED) if self.num_pipelines > 1 else REDUNDANCY_MODES
 
     @property
     def name(self) -> str:
@@ -54,8 +73,11 @@ class RedundancyCase:
 DEFAULT_CASES = (RedundancyCase(2, 2), RedundancyCase(2, 4), RedundancyCase(4, 4))
 
 
-def parse_cases(text: str) -> tuple[RedundancyCase, ...]:
-    """``"2x2,4x4"`` -> the cases; raises UserError naming the bad entry."""
+def parse_cases(text: str, pipelines: int = 1) -> tuple[RedundancyCase, ...]:
+    """``"2x2,4x4"`` -> the cases (of ``pipelines`` pipelines each); raises UserError naming
+    the bad entry."""
+    if pipelines < 1:
+        raise UserError(f"--pipelines {pipelines}: use at least 1 pipeline")
     cases = []
     for part in text.split(","):
         fields = part.strip().lower().split("x")
@@ -68,7 +90,7 @@ def parse_cases(text: str) -> tuple[RedundancyCase, ...]:
             raise UserError(
                 f"--cases entry {part.strip()!r}: redundancy needs >= 2 stages and >= 1 micro-batch"
             )
-        cases.append(RedundancyCase(num_stages, num_micro_batches))
+        cases.append(RedundancyCase(num_stages, num_micro_batches, pipelines))
     if len(set(cases)) != len(cases):
         raise UserError(f"--cases {text!r} names a case twice; list each case once")
     return tuple(cases)
@@ -79,7 +101,11 @@ def schedule_facts(case: RedundancyCase) -> dict[str, Any]:
     from spotline.plan import schedule as plan
 
     base = plan.train_schedule(case.num_stages, case.num_micro_batches)
-    by_mode = {mode: plan.add_redundancy(base, mode) for mode in REDUNDANCY_MODES}
+    by_mode: dict[str, plan.Schedule] = {
+        mode: plan.add_redundancy(base, mode) for mode in REDUNDANCY_MODES
+    }
+    if SHARDED in case.modes:
+        by_mode[SHARDED] = plan.add_redundancy(base, "lazy", replay=False)
     return {
         "hidden_fraction": plan.hidden_fraction(by_mode["eager"]),
         "num_extra_steps": {mode: plan.num_extra_steps(s) for mode, s in by_mode.items()},
@@ -114,7 +140,8 @@ def _state_ratio(run: dict[str, Any], off: dict[str, Any]) -> float | None:
 
 
 def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -> dict[str, Any]:
-    """Redundancy off/lazy/eager, interleaved, for each case; medians and ratios to off."""
+    """Redundancy off/lazy/eager (and lazy-sharded with pipelines), interleaved, for each
+    case; medians and ratios to off."""
     report_cases = []
     for case in cases:
         facts = schedule_facts(case)
@@ -136,9 +163,9 @@ def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -
         def run_one(
             mode: str, round_idx: int, work: Path = work, config: Path = config
         ) -> dict[str, Any]:
-            return run_spotline_train(config, work / f"{mode}-r{round_idx}", ["--redundancy", mode])
+            return run_spotline_train(config, work / f"{mode}-r{round_idx}", list(MODE_FLAGS[mode]))
 
-        results = run_rounds(REDUNDANCY_MODES, settings.repeats, run_one, f"redundancy {case.name}")
+        results = run_rounds(case.modes, settings.repeats, run_one, f"redundancy {case.name}")
         modes: dict[str, Any] = {}
         for mode, runs in results.items():
             modes[mode] = {
@@ -156,7 +183,7 @@ def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -
                 "param_sha256": sorted({r["param_sha256"] for r in runs}),
             }
         off = modes["off"]
-        for mode in REDUNDANCY_MODES:
+        for mode in case.modes:
             m = modes[mode]
             m["step_time_ratio_to_off"] = m["step_time_s"] / off["step_time_s"]
             m["spread_to_off"] = spread(round_ratios(results, mode, "off"))
@@ -178,6 +205,7 @@ def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -
                 "case": case.name,
                 "stages": case.num_stages,
                 "workers": case.num_workers,
+                "pipelines": case.num_pipelines,
                 "micro_batches": case.num_micro_batches,
                 "micro_batch_size": cfg.micro_batch_size,
                 "hidden_fraction": facts["hidden_fraction"],
@@ -197,7 +225,7 @@ def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -
         "model": cfg.spotline.model.name,
         "steps": settings.steps,
         "repeats": settings.repeats,
-        "order": "per case, interleaved: off, lazy, eager per round",
+        "order": "per case, interleaved: " + ", ".join(cases[0].modes) + " per round",
         "statistic": (
             "median over rounds (per rank for memory and seconds); redundant compute and "
             "replica sync are seconds per step; hidden_fraction is the eager schedule's share "
@@ -206,6 +234,12 @@ def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -
         "cases": report_cases,
         "machine": machine_info(),
     }
+
+
+def _pipelines(report: dict[str, Any]) -> str:
+    # Reports written before --pipelines ran one pipeline.
+    count = report["cases"][0].get("pipelines", 1) if report["cases"] else 1
+    return "one pipeline" if count == 1 else f"{count} pipelines"
 
 
 def format_redundancy(report: dict[str, Any]) -> str:
@@ -258,7 +292,7 @@ def format_redundancy(report: dict[str, Any]) -> str:
                     f"| {sum(counts.values()) / 2**20:.2f} |"
                 )
     head = (
-        f"### redundancy: {report['model']}, one pipeline, one process per stage, "
+        f"### redundancy: {report['model']}, {_pipelines(report)}, one process per stage, "
         f"{report['steps']} steps, median of {report['repeats']} interleaved rounds"
     )
     lines = [head, "", *rows, "", "Model state per rank, MiB (counted from the tensors):", ""]
