@@ -275,3 +275,27 @@ def test_a_sharded_replica_s_schedule_has_no_replay_stashes() -> None:
     ]
     with pytest.raises(ValueError, match="eager"):
         plan.add_redundancy(base, "eager", replay=False)
+
+
+# -- the simulator --------------------------------------------------------------------------
+
+
+def test_the_simulator_plans_with_shard_holdings() -> None:
+    """Both owners of stage 1 lost: the shards survive with the stage-0 members; one of
+    those lost too: a full replica still lives, a sharded one does not."""
+    from spotline.plan.capacity import Capacity
+    from spotline.sim.engine import _Plan, _RuntimePlanner
+
+    results = {}
+    for sharded in (False, True):
+        planner = _RuntimePlanner(
+            2, 2, elastic=True, capacity=Capacity(2, replicas=True), sharded=sharded
+        )
+        first = planner.initial(4)
+        assert first is not None
+        owners = frozenset({(0, 1), (1, 1)})
+        both = planner.replan(first.shape, owners, 2)
+        assert isinstance(both, _Plan) and both.moves_state, sharded
+        results[sharded] = planner.replan(first.shape, owners | {(1, 0)}, 2)
+    assert isinstance(results[False], _Plan)
+    assert isinstance(results[True], FatalLoss) and results[True].lost_stages == (1,)

@@ -196,6 +196,10 @@ class SimConfig:
     slots_per_machine: int = 1
     record_layouts: bool = False
     stages_per_worker: int = DEFAULT_STAGES_PER_WORKER
+    # The runtime's spotline.redundancy.replica "sharded": the Spotline policies' replica
+    # holders keep one shard each (spotline.plan.shards), so a stage whose owners are all
+    # lost survives only while every one of its shard holders lives.
+    sharded_replicas: bool = False
 
     def __post_init__(self) -> None:
         # One rule with the runtime's spotline.redundancy.stages_per_worker (its one-line
@@ -698,7 +702,8 @@ class _Plan:
                 else:
                     joined.append(((p, i), int(name[1:])))
         moves = held is not None and any(
-            not set(layout.groups[i]) <= {h.stage for h in held.get(name, ())}
+            # A shard is not the stage: a member holding only a shard receives the rest.
+            not set(layout.groups[i]) <= {h.stage for h in held.get(name, ()) if h.whole}
             for row in layout.slots
             for i, name in enumerate(row)
         )
@@ -729,12 +734,19 @@ class _RuntimePlanner:
     _plans: ClassVar[dict[tuple[object, ...], _Plan | None | WaitForCapacity | FatalLoss]] = {}
 
     def __init__(
-        self, num_stages: int, num_pipelines: int, *, elastic: bool, capacity: Capacity
+        self,
+        num_stages: int,
+        num_pipelines: int,
+        *,
+        elastic: bool,
+        capacity: Capacity,
+        sharded: bool = False,
     ) -> None:
         self.num_stages = num_stages
         self.num_pipelines = num_pipelines
         self.elastic = elastic
         self.capacity = capacity
+        self.sharded = sharded
 
     def initial(self, num_workers: int, machines: Sequence[str] | None = None) -> _Plan | None:
         """A start from nothing (first start, or the restart after a fatal loss) on
@@ -797,11 +809,12 @@ class _RuntimePlanner:
             last.num_pipelines,
             lost,
             num_idle,
+            self.sharded,
         )
         if partition is not None:
             key += (partition,)
         if key not in self._plans:
-            held = member_holdings(last, 1, replicas=True)
+            held = member_holdings(last, 1, replicas=True, sharded=self.sharded)
             reports = [
                 WorkerReport(last.slots[p][i], held[last.slots[p][i]], (p, i)) for p, i in survivors
             ] + [WorkerReport(f"i{k}") for k in range(num_idle)]
@@ -817,6 +830,7 @@ class _RuntimePlanner:
                 reports,
                 elastic=self.elastic,
                 capacity=self.capacity,
+                sharded=self.sharded,
             )
             if isinstance(result, (FatalLoss, WaitForCapacity)):
                 self._plans[key] = result
@@ -847,23 +861,25 @@ def _canonical(layout: Layout) -> Layout:
     )
 
 
-_EXPOSED_SHAPES: dict[tuple[tuple[tuple[int, ...], ...], int], tuple[int, ...]] = {}
+_EXPOSED_SHAPES: dict[tuple[tuple[tuple[int, ...], ...], int, bool], tuple[int, ...]] = {}
 """Exposed stages by layout shape, with every worker its own machine (shared by a sweep)."""
 
 
-def _exposed_stages(members: _Members, machine_of: Mapping[str, str] | None) -> tuple[int, ...]:
+def _exposed_stages(
+    members: _Members, machine_of: Mapping[str, str] | None, *, sharded: bool = False
+) -> tuple[int, ...]:
     """The members' exposed stages (:func:`spotline.plan.exposure.exposed_stages`):
     ``machine_of`` the machine of each worker (None: each worker its own, so the answer
-    depends on the shape only and is memoized)."""
+    depends on the shape only and is memoized); ``sharded``: sharded replicas."""
     layout = members.layout
     if machine_of is None:
-        key = (layout.groups, layout.num_pipelines)
+        key = (layout.groups, layout.num_pipelines, sharded)
         if key not in _EXPOSED_SHAPES:
-            _EXPOSED_SHAPES[key] = exposed_stages(layout, str)
+            _EXPOSED_SHAPES[key] = exposed_stages(layout, str, sharded=sharded)
         return _EXPOSED_SHAPES[key]
     # The canonical layout names each member after its slot: its machine is its node's.
     domains = {f"m{p}.{i}": machine_of[worker] for (p, i), worker in members.by_slot.items()}
-    return exposed_stages(layout, domains.__getitem__)
+    return exposed_stages(layout, domains.__getitem__, sharded=sharded)
 
 
 class _Members:
@@ -909,6 +925,7 @@ class _Job:
             self.topology.num_pipelines,
             elastic=policy.elastic,
             capacity=policy.capacity(config),
+            sharded=config.sharded_replicas,
         )
         self.slots_per_machine = config.slots_per_machine
         self.machine_of: dict[str, str] = {}
@@ -1165,7 +1182,11 @@ class SpotlinePolicy(SimPolicy):
         members, run = job.members, job.run
         assert members is not None
         exposed = bool(
-            _exposed_stages(members, job.machine_of if job.slots_per_machine > 1 else None)
+            _exposed_stages(
+                members,
+                job.machine_of if job.slots_per_machine > 1 else None,
+                sharded=job.config.sharded_replicas,
+            )
         )
         run.checkpoint_on_commit = first_exposure(exposed, run.exposed, restarted=restarted)
         run.exposed = exposed
