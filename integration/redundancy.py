@@ -473,7 +473,8 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
 
     # -- tied weights: remember the unreduced gradients a replay adds to ---------------
     def _exec_reduce_tied_grads(self) -> None:
-        if self.replica is not None:
+        # Only a replay adds to them, and a sharded replica never replays.
+        if self.replica is not None and not self.replica.sharded:
             params = dict(self.module.named_parameters())
             self._pre_tied_grads = {
                 name: params[name].grad.detach().clone()
