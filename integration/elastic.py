@@ -67,7 +67,7 @@ from spotline.plan.chaos import parse_injections
 from spotline.plan.evaluation import eval_steps
 from spotline.plan.layout import Holding, Layout, ShardSource, pipeline_name
 from spotline.plan.sampler import GlobalSampler
-from spotline.plan.shards import shard_of
+from spotline.plan.shards import Piece, shard_pieces
 from spotline.protocol import (
     CHECKPOINT_ERRORS_COUNTER,
     FINAL_HASH_KEY,
@@ -96,7 +96,7 @@ from spotline.protocol import (
     stop_checkpoint_key,
     stop_key,
 )
-from spotline.redundancy import RedundantPipelineEngine
+from spotline.redundancy import RedundantPipelineEngine, piece_of
 from spotline.runtime import configure_process, peak_rss_mib, seed_everything
 
 OPT_KEYS = ("step", "exp_avg", "exp_avg_sq")
@@ -119,7 +119,7 @@ class StageState:
     grads: dict[str, torch.Tensor] | None = None  # final gradients of step `version`
     clip: float = 1.0
     # The part held: shard ``shard`` of ``shards`` (a sharded replica: only that shard's
-    # names, spotline.plan.shards); 0 of 1: the whole stage.
+    # pieces, 1-D tensors by piece key, spotline.plan.shards); 0 of 1: the whole stage.
     shard: int = 0
     shards: int = 1
 
@@ -297,6 +297,65 @@ def unpack(st_names: list[tuple[str, torch.Size]], flat: torch.Tensor, version: 
         {n: t.clone() for n, t in params.items()},
         {n: {k: t.clone() for k, t in state.items()} for n, state in opt.items()},
     )
+
+
+def piece_state(st: StageState, pieces: Sequence[Piece]) -> StageState:
+    """``pieces`` of the whole stage ``st`` as a stage of its own, by piece key: views of
+    its tensors (each piece with its tensor's step count)."""
+    return StageState(
+        st.version,
+        {x.key: piece_of(st.params[x.name], x) for x in pieces},
+        {
+            x.key: {k: v if k == "step" else piece_of(v, x) for k, v in st.opt[x.name].items()}
+            for x in pieces
+        },
+    )
+
+
+def piece_names(pieces: Sequence[Piece]) -> list[tuple[str, torch.Size]]:
+    """``pieces`` as a holding of them lists its tensors (by key: :func:`pack`'s order)."""
+    return sorted((x.key, torch.Size([x.numel])) for x in pieces)
+
+
+def assemble(
+    st_names: list[tuple[str, torch.Size]],
+    parts: Sequence[tuple[Sequence[Piece], StageState]],
+    version: int,
+) -> StageState:
+    """The whole stage ``st_names`` from every shard's pieces (``parts``: each shard's pieces
+    and the stage of them, :func:`piece_state`): each tensor its pieces concatenated in
+    start order, its own copy."""
+    by_name: dict[str, list[tuple[Piece, StageState]]] = {}
+    for pieces, st in parts:
+        assert st.version == version and sorted(st.params) == sorted(x.key for x in pieces)
+        for x in pieces:
+            by_name.setdefault(x.name, []).append((x, st))
+    assert set(by_name) <= {n for n, _ in st_names}, sorted(by_name)
+    # An empty tensor has no piece: its step is any piece's (a stage's tensors step together).
+    any_step = next(
+        (st.opt[x.key]["step"] for pieces, st in parts for x in pieces), torch.zeros(())
+    )
+    whole = StageState(version, {}, {})
+    for name, shape in st_names:
+        got = sorted(by_name.get(name, []), key=lambda item: item[0].start)
+        # Every element exactly once: the pieces tile [0, numel) end to end.
+        bounds = [0, *(x.stop for x, _ in got)]
+        assert [x.start for x, _ in got] == bounds[:-1] and bounds[-1] == shape.numel(), name
+        steps = {float(st.opt[x.key]["step"]) for x, st in got}
+        assert len(steps) <= 1, (name, steps)  # a tensor's pieces were stepped together
+        whole.params[name] = _joined([st.params[x.key] for x, st in got], shape)
+        whole.opt[name] = {
+            key: _joined([st.opt[x.key][key] for x, st in got], shape)
+            for key in ("exp_avg", "exp_avg_sq")
+        }
+        step = got[0][1].opt[got[0][0].key]["step"] if got else any_step
+        whole.opt[name]["step"] = step.detach().clone()
+    return whole
+
+
+def _joined(tensors: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
+    """``tensors`` concatenated (a copy) and viewed as ``shape``; none: an empty tensor."""
+    return (torch.cat(tensors) if tensors else torch.empty(0)).view(shape)
 
 
 def abort_connections(keep_port: int) -> int:
@@ -837,10 +896,9 @@ class ElasticWorker:
             by_shard.setdefault(part.stage, []).append(part)
         ops: list[dist.P2POp] = []
         incoming: list[tuple[int, torch.Tensor]] = []
-        # A stage no member holds whole: (its names of each shard, the buffer or the
-        # holding it comes from), assembled once every transfer is done.
-        pieces: dict[int, list[tuple[list[tuple[str, torch.Size]], torch.Tensor | StageState]]]
-        pieces = {}
+        # A stage no member holds whole: (each shard's pieces, the buffer or the holding
+        # they come from), assembled once every transfer is done.
+        pieces: dict[int, list[tuple[tuple[Piece, ...], torch.Tensor | StageState]]] = {}
         for member in layout.members:
             for stage in layout.stages_of(member):
                 if member in holders[stage]:
@@ -871,16 +929,13 @@ class ElasticWorker:
         for stage, buf in incoming:
             self.holdings.stages[stage] = unpack(own_names[stage], buf, plan.resume_step)
         for stage, parts in pieces.items():
-            whole = StageState(plan.resume_step, {}, {})
-            for names, got in parts:
-                piece = got if isinstance(got, StageState) else unpack(names, got, plan.resume_step)
-                assert piece.version == plan.resume_step and sorted(piece.params) == [
-                    n for n, _ in names
-                ]
-                whole.params.update(piece.params)
-                whole.opt.update(piece.opt)
-            assert sorted(whole.params) == sorted(n for n, _ in own_names[stage]), stage
-            self.holdings.stages[stage] = whole
+            shards: list[tuple[tuple[Piece, ...], StageState]] = []
+            for shard, got in parts:
+                if isinstance(got, torch.Tensor):
+                    # Views of the buffer: assembling copies each tensor once.
+                    got = StageState(plan.resume_step, *packed_views(piece_names(shard), got))
+                shards.append((shard, got))
+            self.holdings.stages[stage] = assemble(own_names[stage], shards, plan.resume_step)
 
     def _shard_transfers(
         self,
@@ -890,29 +945,28 @@ class ElasticWorker:
         own_names: Mapping[int, list[tuple[str, torch.Size]]],
         layout: Layout,
         ops: list[dist.P2POp],
-        pieces: dict[int, list[tuple[list[tuple[str, torch.Size]], torch.Tensor | StageState]]],
+        pieces: dict[int, list[tuple[tuple[Piece, ...], torch.Tensor | StageState]]],
     ) -> None:
         """``member`` lacks ``stage``, which no member holds whole: each shard's source sends
-        it its shard (``pack`` of that shard's names), ``member`` receives each (its own
-        shard, if it holds one, is taken as it is)."""
+        it its shard (``pack`` of that shard's pieces), ``member`` receives each (its own
+        shard, if it holds one, is taken as it is). The member knows each shard's pieces
+        from its own list of the stage's tensors (``shard_pieces``)."""
         for part in parts:
             if part.worker == self.wid and member != self.wid:
                 st = self.holdings.stages[stage]
                 assert (st.shard, st.shards) == (part.shard, part.shards), (stage, part)
                 names = self._names_for_stage_from_holdings(stage)
-                if names:  # a stage with fewer tensors than shards leaves some empty
+                if names:  # a stage with fewer elements than shards leaves some empty
                     ops.append(dist.P2POp(dist.isend, pack(names, st), layout.rank_of(member)))
             if member == self.wid:
                 numels = sorted((n, int(shape.numel())) for n, shape in own_names[stage])
-                keep = set(shard_of(numels, part.shard, part.shards))
-                names = [(n, shape) for n, shape in own_names[stage] if n in keep]
-                names.sort()
+                shard = shard_pieces(numels, part.shard, part.shards)
                 if part.worker == self.wid:
-                    pieces.setdefault(stage, []).append((names, self.holdings.stages[stage]))
-                elif names:
-                    buf = torch.empty(packed_numel(names))
+                    pieces.setdefault(stage, []).append((shard, self.holdings.stages[stage]))
+                elif shard:
+                    buf = torch.empty(packed_numel(piece_names(shard)))
                     ops.append(dist.P2POp(dist.irecv, buf, layout.rank_of(part.worker)))
-                    pieces.setdefault(stage, []).append((names, buf))
+                    pieces.setdefault(stage, []).append((shard, buf))
 
     def _load_own_stages(self, engine: RedundantPipelineEngine) -> None:
         """Copy the held own stages' parameters into the engine and hand it their optimizer
@@ -930,13 +984,19 @@ class ElasticWorker:
 
     def _load_replica(self, engine: RedundantPipelineEngine, resume: int) -> None:
         """Replicas: each physical stage sends its whole state (a sharded replica's holder: its
-        shard) to its predecessor."""
+        shard's pieces) to its predecessor."""
         assert engine.replica is not None
-        # A sharded replica's holder gets only its shard (the names it keeps).
-        mine = self._names_by_stage(
-            (n, p) for n, p in engine.module.named_parameters() if n in engine.held_by_predecessor
-        )
         my_state = self._engine_stage_state(engine, clone=False)  # packed at once: one copy
+        held = engine.held_by_predecessor
+        if held is None:
+            mine = self._names_by_stage(engine.module.named_parameters())
+        else:
+            # A sharded replica's holder gets only its pieces: slices of the stage's state.
+            by_stage = {
+                s: [x for x in held if stage_of_name(x.name, self.logical) == s] for s in my_state
+            }
+            my_state = {s: piece_state(my_state[s], by_stage[s]) for s in by_stage}
+            mine = {s: piece_names(by_stage[s]) for s in by_stage}
         flat_out = torch.empty(sum(packed_numel(mine[s]) for s in sorted(mine)))
         offset = 0
         for s in sorted(mine):

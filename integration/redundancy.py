@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -54,7 +54,7 @@ from spotline.exact import LogicalGradients
 from spotline.lr_schedule import constructor_hyper
 from spotline.memory import model_state_bytes
 from spotline.plan import schedule as plan
-from spotline.plan.shards import shard_of
+from spotline.plan.shards import Piece, shard_pieces
 from spotline.protocol import ModelStateBytes
 
 REPLICA_KINDS = ("full", "sharded")
@@ -65,20 +65,29 @@ def layer_of(name: str) -> int:
     return int(name.split(".", 1)[0])
 
 
-def shard_names_of(
+def shard_pieces_of(
     named: Sequence[tuple[str, torch.Tensor]], logical: Sequence[int], shard: int, shards: int
-) -> set[str]:
-    """The names of ``named`` in shard ``shard`` of ``shards``: each logical stage's (by the
+) -> tuple[Piece, ...]:
+    """The pieces of ``named`` in shard ``shard`` of ``shards``: each logical stage's (by the
     layer boundaries ``logical``) tensors sharded on their own (``spotline.plan.shards``),
-    so that a shard of a logical stage means the same whatever physical stage holds it."""
+    so that a shard of a logical stage means the same whatever physical stage holds it.
+    Logical stage by stage, each in name order: the order the owner sends its gradients in
+    and the holder keeps its pieces in."""
     by_stage: dict[int, list[tuple[str, int]]] = {}
     for name, p in named:
         layer = layer_of(name)
         stage = next(s for s in range(len(logical) - 1) if logical[s] <= layer < logical[s + 1])
         by_stage.setdefault(stage, []).append((name, p.numel()))
-    return {
-        name for entries in by_stage.values() for name in shard_of(sorted(entries), shard, shards)
-    }
+    return tuple(
+        piece
+        for stage in sorted(by_stage)
+        for piece in shard_pieces(sorted(by_stage[stage]), shard, shards)
+    )
+
+
+def piece_of(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """``piece``'s elements of ``tensor`` (a whole tensor of ``piece.name``'s shape), a view."""
+    return tensor.detach().reshape(-1)[piece.start : piece.stop]
 
 
 class StashOutput(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
@@ -204,14 +213,21 @@ class Replica:
             layer = module._layer_specs[layer_idx].build().to(device)
             layers[str(layer_idx)] = layer
             layer.register_forward_pre_hook(engine._make_reseed_hook(layer_idx))
-        named = list(layers.named_parameters())
+        named: list[tuple[str, torch.Tensor]] = list(layers.named_parameters())
         self.layers: torch.nn.ModuleDict | None = layers
+        # A sharded replica's pieces (None: it keeps every tensor whole, named by its name).
+        self.pieces: tuple[Piece, ...] | None = None
         if shards > 1:
             assert logical is not None
-            keep = shard_names_of(named, logical, shard, shards)
-            # Only the shard's tensors stay referenced: the layers (and every other
-            # parameter) are freed here. Module order, as the owner sends its gradients.
-            named = [(n, p) for n, p in named if n in keep]
+            self.pieces = shard_pieces_of(named, logical, shard, shards)
+            whole = dict(named)
+            # Each piece its own 1-D tensor (a clone, not a view: a view would keep the
+            # whole tensor's storage alive); the layers are freed here. In the pieces'
+            # order, as the owner sends its gradients.
+            named = [
+                (x.key, torch.nn.Parameter(piece_of(whole[x.name], x).clone())) for x in self.pieces
+            ]
+            del whole
             self.layers = None
         del layers
         self.named_params = named
@@ -262,11 +278,37 @@ def state_digest(
     named_params: Sequence[tuple[str, torch.Tensor]], optimizer: torch.optim.Optimizer
 ) -> str:
     """SHA-256 over parameters and their optimizer state, by name (the exactness check)."""
+    return _digest([(name, p, optimizer.state.get(p, {})) for name, p in named_params])
+
+
+def pieces_digest(
+    named_params: Sequence[tuple[str, torch.Tensor]],
+    optimizer: torch.optim.Optimizer,
+    pieces: Sequence[Piece],
+) -> str:
+    """:func:`state_digest` of ``pieces`` of whole tensors ``named_params``, each named by its
+    key: what a sharded replica holding those pieces digests to when it is exact."""
+    params = dict(named_params)
+    entries = []
+    for x in pieces:
+        p = params[x.name]
+        state = optimizer.state.get(p, {})
+        # The state shaped like the parameter (exp_avg, exp_avg_sq) is sliced as it is;
+        # the rest (the step count) is the piece's too.
+        sliced = {
+            k: piece_of(v, x) if torch.is_tensor(v) and v.shape == p.shape else v
+            for k, v in state.items()
+        }
+        entries.append((x.key, piece_of(p, x), sliced))
+    return _digest(entries)
+
+
+def _digest(entries: Sequence[tuple[str, torch.Tensor, Mapping[str, Any]]]) -> str:
     h = hashlib.sha256()
-    for name, p in sorted(named_params, key=lambda item: item[0]):
+    for name, p, state in sorted(entries, key=lambda item: item[0]):
         h.update(name.encode())
         h.update(p.detach().cpu().contiguous().numpy().tobytes())
-        for key, value in sorted(optimizer.state.get(p, {}).items()):
+        for key, value in sorted(state.items()):
             h.update(key.encode())
             t = value if torch.is_tensor(value) else torch.tensor(value)
             h.update(t.detach().cpu().contiguous().numpy().tobytes())
@@ -302,9 +344,10 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         shard = int(self.grid.data_parallel_id) if shards > 1 else 0
         self.replica_shard, self.replica_shards = shard, shards
         self.replica: Replica | None = None
-        # Names of this stage's parameters its replica holder keeps (this pipeline's shard;
-        # all of them for a full replica): what this stage sends it and is compared with.
-        self.held_by_predecessor: set[str] = {n for n, _ in self.module.named_parameters()}
+        # The pieces of this stage's parameters its sharded replica holder keeps (this
+        # pipeline's shard): what this stage sends it and is compared with. None: the holder
+        # keeps every tensor whole.
+        self.held_by_predecessor: tuple[Piece, ...] | None = None
         if self.redundancy != "off":
             self.replica = Replica(
                 self,
@@ -315,7 +358,7 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
                 logical=logical,
             )
             if shards > 1:
-                self.held_by_predecessor = shard_names_of(
+                self.held_by_predecessor = shard_pieces_of(
                     list(self.module.named_parameters()), logical, shard, shards
                 )
         self._plan = plan.add_redundancy(self._plan, self.redundancy, replay=shards == 1)
@@ -487,15 +530,13 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
     # -- replica synchronisation ------------------------------------------------------------
     def _exec_replica_grad_send(self) -> None:
         t0 = time.perf_counter()
-        # Module order, as the replica lists its parameters; a sharded replica's holder
-        # gets only its shard's gradients.
-        flat = torch.cat(
-            [
-                p.grad.detach().reshape(-1)
-                for n, p in self.module.named_parameters()
-                if n in self.held_by_predecessor
-            ]
-        )
+        if self.held_by_predecessor is None:
+            # Module order, as the replica lists its parameters.
+            flat = torch.cat([p.grad.detach().reshape(-1) for p in self.module.parameters()])
+        else:
+            # A sharded replica's holder gets only its pieces' gradients, in their order.
+            params = dict(self.module.named_parameters())
+            flat = torch.cat([piece_of(_grad(params[x.name]), x) for x in self.held_by_predecessor])
         self._pending_send = dist.P2POp(dist.isend, flat, self._peer(self.stage_id - 1))
         self.replica_sync_s += time.perf_counter() - t0
 
@@ -659,9 +700,12 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
 
     # -- exactness checks -------------------------------------------------------------------
     def own_digest(self) -> str:
-        """This stage's state as its replica holder keeps it (its shard, when sharded)."""
-        named = [(n, p) for n, p in self.module.named_parameters() if n in self.held_by_predecessor]
-        return state_digest(named, self.optimizer)
+        """This stage's state as its replica holder keeps it (its shard's pieces, when
+        sharded)."""
+        named = list(self.module.named_parameters())
+        if self.held_by_predecessor is None:
+            return state_digest(named, self.optimizer)
+        return pieces_digest(named, self.optimizer, self.held_by_predecessor)
 
     def replica_digest(self) -> str:
         assert self.replica is not None

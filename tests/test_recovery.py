@@ -148,7 +148,7 @@ def test_both_owners_of_a_stage_lost_it_is_assembled_from_the_sharded_replicas(
     stage 1. Two workers arrive at step 3 (standbys), then both owners of stage 1 (w2, w3)
     die just past step 4's commit: stage 1 survives only as the two shards, rolled forward
     and assembled by the standbys that take it over; the bits are the full replicas' (the
-    undisturbed 2x2 run's), and each replica holds exactly its shard's tensors."""
+    undisturbed 2x2 run's), and each replica holds exactly its shard's elements."""
     config = small_config(
         training={"steps": STEPS},
         redundancy={"mode": "lazy", "replica": "sharded", "verify_replicas": True},
@@ -177,25 +177,34 @@ def test_both_owners_of_a_stage_lost_it_is_assembled_from_the_sharded_replicas(
     # received it from the shards (their only generation).
     setups = summary["generation_setups"]
     assert all(len(setups[w]) == 1 and setups[w][0]["state_bytes"] > 0 for w in ("w4", "w5"))
-    from spotline.plan.shards import shard_of
+    from spotline.plan.shards import shard_pieces
 
     numels = _stage_numels(2)
     ranks = summary["model_state_bytes_per_rank"]
     for rank, counts in enumerate(ranks):
         stage, pipeline = divmod(rank, 2)  # pipe-major ranks
         successor = (stage + 1) % 2
-        shard = set(shard_of(numels[successor], pipeline, 2))
-        held = sum(k for n, k in numels[successor] if n in shard)
+        mine = shard_pieces(numels[successor], pipeline, 2)
+        theirs = shard_pieces(numels[successor], 1 - pipeline, 2)
+        held, other = sum(x.numel for x in mine), sum(x.numel for x in theirs)
         full = sum(k for _, k in numels[successor])
         assert counts["parameters"] == 4 * sum(k for _, k in numels[stage])
-        # float32: exactly the shard's tensors, parameters and received gradients alike.
+        # float32: exactly the shard's elements, parameters and received gradients alike.
         assert counts["replica_parameters"] == counts["replica_gradients"] == 4 * held
-        assert 0.4 * full < held < 0.6 * full  # about half of the full replica
+        # Half of the full replica, exactly: the two shards differ by one element at most.
+        assert held + other == full and abs(held - other) <= 1
         assert counts["stash"] == 0  # nothing to replay from
-        # The two shards' optimizer state is the owner's, split.
+        # exp_avg and exp_avg_sq of each element, and each piece's step count (a float32
+        # scalar of its own).
+        assert counts["replica_optimizer"] == 8 * held + 4 * len(mine)
+        # The two shards' optimizer state is the owner's, split: one more step count for
+        # each tensor the split cuts in two.
         pair = ranks[stage * 2 + (1 - pipeline)]
         owner = ranks[successor * 2 + pipeline]
-        assert counts["replica_optimizer"] + pair["replica_optimizer"] == owner["optimizer"]
+        cut = len(mine) + len(theirs) - sum(1 for _, k in numels[successor] if k > 0)
+        assert counts["replica_optimizer"] + pair["replica_optimizer"] == owner["optimizer"] + (
+            4 * cut
+        )
 
 
 @pytest.mark.parametrize("topology", ["1x4", "2x2"])

@@ -24,7 +24,7 @@ from spotline.plan.layout import (
     plan_generation,
 )
 from spotline.plan.placement import Exposure, copies, copy_sets, exposures
-from spotline.plan.shards import shard_names, shard_of
+from spotline.plan.shards import Piece, shard_pieces
 from spotline.protocol import Plan, Report
 
 # -- the shard function ---------------------------------------------------------------------
@@ -35,38 +35,96 @@ from spotline.protocol import Plan, Report
     numels=st.lists(st.integers(min_value=0, max_value=10_000), max_size=30),
     shards=st.integers(min_value=1, max_value=8),
 )
-def test_shards_are_disjoint_covering_balanced_and_deterministic(
+def test_shards_are_disjoint_covering_exactly_balanced_and_deterministic(
     numels: list[int], shards: int
 ) -> None:
     named = [(f"{i:03d}.weight", k) for i, k in enumerate(numels)]
-    got = shard_names(named, shards)
-    assert got == shard_names(list(named), shards)  # every rank computes the same
-    assert len(got) == shards
-    flat = [n for names in got for n in names]
-    assert sorted(flat) == [n for n, _ in named] and len(set(flat)) == len(flat)
-    assert all(list(names) == sorted(names) for names in got)
-    size = dict(named)
-    loads = [sum(size[n] for n in names) for names in got]
-    assert max(loads) - min(loads) <= max(numels, default=0)
-    assert [shard_of(named, i, shards) for i in range(shards)] == list(got)
+    got = [shard_pieces(named, i, shards) for i in range(shards)]
+    # Every rank computes the same.
+    assert got == [shard_pieces(list(named), i, shards) for i in range(shards)]
+    total = sum(numels)
+    for pieces in got:
+        # Exactly the floor or the ceiling of T/D elements.
+        assert sum(x.numel for x in pieces) in (total // shards, -(-total // shards))
+        # In name order, each piece inside its tensor, each tensor at most once.
+        names = [x.name for x in pieces]
+        assert names == sorted(set(names))
+        assert all(0 <= x.start < x.stop <= dict(named)[x.name] for x in pieces)
+    # Concatenated in shard order, the pieces are every element of every tensor, once, in
+    # order: disjoint and covering.
+    elements = [(x.name, e) for pieces in got for x in pieces for e in range(x.start, x.stop)]
+    assert elements == [(n, e) for n, k in named for e in range(k)]
 
 
-def test_shards_go_largest_first_onto_the_lightest_ties_by_name_and_index() -> None:
-    named = [("a", 5), ("b", 5), ("c", 3), ("d", 2), ("e", 10)]
-    # e (10) -> 0; a (5, before b) -> 1; b -> 1 (5 < 10); c -> 0 (loads 10 and 10: the
-    # lower index); d -> 1 (10 < 13).
-    assert shard_names(named, 2) == (("c", "e"), ("a", "b", "d"))
-    assert shard_names(named, 1) == (("a", "b", "c", "d", "e"),)
-    assert shard_names([("x", 1)], 3) == (("x",), (), ())
+def test_a_shard_is_a_contiguous_range_of_the_stage_by_name() -> None:
+    named = [("a", 5), ("b", 5), ("c", 3), ("d", 0), ("e", 10)]  # T = 23
+    # [0, 11) and [11, 23): b is split at its 6th element; d (empty) gives no piece.
+    assert shard_pieces(named, 0, 2) == (Piece("a", 0, 5), Piece("b", 0, 5), Piece("c", 0, 1))
+    assert shard_pieces(named, 1, 2) == (Piece("c", 1, 3), Piece("e", 0, 10))
+    assert shard_pieces(named, 0, 1) == (
+        Piece("a", 0, 5),
+        Piece("b", 0, 5),
+        Piece("c", 0, 3),
+        Piece("e", 0, 10),
+    )
+    # [0, 7), [7, 15), [15, 23): a tensor may be split in several shards.
+    assert [shard_pieces([("x", 23)], i, 3) for i in range(3)] == [
+        (Piece("x", 0, 7),),
+        (Piece("x", 7, 15),),
+        (Piece("x", 15, 23),),
+    ]
+    # Fewer elements than shards: some shards are empty.
+    assert [shard_pieces([("x", 1)], i, 3) for i in range(3)] == [(), (), (Piece("x", 0, 1),)]
+    # The key names the piece and starts with the tensor's name (and so its layer index).
+    assert Piece("3.attn.c_attn.weight", 384, 768).key == "3.attn.c_attn.weight@384:768"
 
 
 def test_the_shard_function_refuses_what_every_rank_could_not_agree_on() -> None:
     with pytest.raises(ValueError, match="sorted"):
-        shard_names([("b", 1), ("a", 1)], 2)
+        shard_pieces([("b", 1), ("a", 1)], 0, 2)
+    with pytest.raises(ValueError, match="sorted"):
+        shard_pieces([("a", 1), ("a", 2)], 0, 2)
+    with pytest.raises(ValueError, match=">= 0"):
+        shard_pieces([("a", -1)], 0, 2)
     with pytest.raises(ValueError, match="at least 1"):
-        shard_names([("a", 1)], 0)
+        shard_pieces([("a", 1)], 0, 0)
     with pytest.raises(ValueError, match="shard 2 of 2"):
-        shard_of([("a", 1)], 2, 2)
+        shard_pieces([("a", 1)], 2, 2)
+    with pytest.raises(ValueError, match="shard -1 of 2"):
+        shard_pieces([("a", 1)], -1, 2)
+
+
+def test_adamw_on_a_tensor_split_anywhere_gives_the_whole_tensors_bits() -> None:
+    """Why a shard may split a tensor (``spotline.plan.shards``): AdamW steps each element
+    on its own, so the pieces of a split tensor step to the whole tensor's bits, whatever
+    the offsets (odd ones included)."""
+    import torch
+
+    numel = 589_831
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(numel, generator=gen)
+    grads = [torch.randn(numel, generator=gen) for _ in range(5)]
+
+    def stepped(bounds: list[int]) -> list[list[torch.Tensor]]:
+        """Parameters, exp_avg and exp_avg_sq after 5 steps of the pieces ``bounds`` cut."""
+        params = [
+            torch.nn.Parameter(start[a:b].clone()) for a, b in zip(bounds, bounds[1:], strict=False)
+        ]
+        optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+        for grad in grads:
+            for p, a, b in zip(params, bounds, bounds[1:], strict=False):
+                p.grad = grad[a:b].clone()
+            optimizer.step()
+        return [
+            [p.detach() for p in params],
+            [optimizer.state[p]["exp_avg"] for p in params],
+            [optimizer.state[p]["exp_avg_sq"] for p in params],
+        ]
+
+    whole = [torch.cat(kind) for kind in stepped([0, numel])]
+    for cuts in ([1], [3], [5, 13], [64], [4096], [333_333], [numel // 2], [1, 3, 5, 13, 64]):
+        split = [torch.cat(kind) for kind in stepped([0, *cuts, numel])]
+        assert all(torch.equal(a, b) for a, b in zip(whole, split, strict=True)), cuts
 
 
 # -- holdings and the planner ---------------------------------------------------------------
