@@ -30,7 +30,7 @@ from spotline.plan.policies import RecoveryMode
 RedundancyMode = Literal["off", "lazy", "eager"]
 ReplicaDevice = Literal["accelerator", "host"]
 # What each replica holder keeps of its successor: all of it, or (with D data-parallel
-# pipelines) the whole tensors of one of D shards (spotline.plan.shards).
+# pipelines) one of D equal element ranges of it (spotline.plan.shards).
 ReplicaKind = Literal["full", "sharded"]
 StoreBackend = Literal["tcp", "etcd"]
 OnWriteError = Literal["stop", "continue"]
@@ -121,7 +121,7 @@ class RedundancySection:
     stages_per_worker: int = DEFAULT_STAGES_PER_WORKER
     # "full": every replica holder keeps its successor's whole state (model state 2x of
     # redundancy off). "sharded": with D pipelines the D holders of a stage (its
-    # predecessor in each pipeline) keep one shard each, by whole tensors: model state
+    # predecessor in each pipeline) keep one shard each, an equal element range: model state
     # 1 + 1/D, replica traffic and step cut by D, no replay stashes; but a stage whose
     # owners are all lost survives only while every one of its shard holders lives.
     # Lazy only (eager runs the successor's forward, which needs all its parameters).

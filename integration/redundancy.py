@@ -29,10 +29,12 @@ Replicas (``spotline.redundancy.replica``):
 - ``full``: the holder keeps its successor's whole state.
 - ``sharded``: with ``D`` physical pipelines the ``D`` holders of a stage (its predecessor
   in every pipeline) keep one shard each: the holder in pipeline ``p`` keeps, of each
-  logical stage of its successor, the whole tensors of shard ``p`` of ``D``
-  (``spotline.plan.shards``); its owner sends it only those tensors' gradients and it steps
-  only them. It cannot replay its successor (lazy only, no stashes): a stage whose owners
-  are all lost is assembled from the shards of every pipeline.
+  logical stage of its successor, shard ``p`` of ``D``: an equal range of the stage's
+  elements (``spotline.plan.shards``), kept as flat pieces of the tensors it covers, each a
+  1-D tensor of its own; its owner sends it only those elements' gradients and it steps
+  only them (AdamW is element-wise: a piece steps to the owner's bits). It cannot replay
+  its successor (lazy only, no stashes): a stage whose owners are all lost is assembled
+  from the shards of every pipeline.
 """
 
 from __future__ import annotations
@@ -215,17 +217,15 @@ class Replica:
             layer.register_forward_pre_hook(engine._make_reseed_hook(layer_idx))
         named: list[tuple[str, torch.Tensor]] = list(layers.named_parameters())
         self.layers: torch.nn.ModuleDict | None = layers
-        # A sharded replica's pieces (None: it keeps every tensor whole, named by its name).
-        self.pieces: tuple[Piece, ...] | None = None
         if shards > 1:
             assert logical is not None
-            self.pieces = shard_pieces_of(named, logical, shard, shards)
             whole = dict(named)
-            # Each piece its own 1-D tensor (a clone, not a view: a view would keep the
-            # whole tensor's storage alive); the layers are freed here. In the pieces'
-            # order, as the owner sends its gradients.
+            # Each piece its own 1-D tensor named by its key (a clone, not a view: a view
+            # would keep the whole tensor's storage alive); the layers are freed here. In the
+            # pieces' order, as the owner sends its gradients.
             named = [
-                (x.key, torch.nn.Parameter(piece_of(whole[x.name], x).clone())) for x in self.pieces
+                (x.key, torch.nn.Parameter(piece_of(whole[x.name], x).clone()))
+                for x in shard_pieces_of(named, logical, shard, shards)
             ]
             del whole
             self.layers = None

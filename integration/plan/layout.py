@@ -75,7 +75,7 @@ class Holding:
     holds the reduced gradients of step ``version`` (so it can apply that step).
 
     ``shard`` of ``shards``: the part of the stage it holds (a data-parallel-sharded
-    replica, ``spotline.plan.shards``: whole tensors of shard ``shard``); 0 of 1: the whole
+    replica, ``spotline.plan.shards``: the pieces of shard ``shard``); 0 of 1: the whole
     stage. A shard is never a source of the whole stage on its own: only every shard of one
     count, together."""
 
