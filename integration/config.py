@@ -26,12 +26,10 @@ from spotline.errors import UserError
 from spotline.plan.capacity import DEFAULT_STAGES_PER_WORKER, Capacity
 from spotline.plan.chaos import parse_rescales
 from spotline.plan.policies import RecoveryMode
+from spotline.plan.shards import ReplicaKind
 
 RedundancyMode = Literal["off", "lazy", "eager"]
 ReplicaDevice = Literal["accelerator", "host"]
-# What each replica holder keeps of its successor: all of it, or (with D data-parallel
-# pipelines) one of D equal element ranges of it (spotline.plan.shards).
-ReplicaKind = Literal["full", "sharded"]
 StoreBackend = Literal["tcp", "etcd"]
 OnWriteError = Literal["stop", "continue"]
 WandbMode = Literal["offline", "online", "disabled"]

@@ -56,10 +56,8 @@ from spotline.exact import LogicalGradients
 from spotline.lr_schedule import constructor_hyper
 from spotline.memory import model_state_bytes
 from spotline.plan import schedule as plan
-from spotline.plan.shards import Piece, shard_pieces
+from spotline.plan.shards import REPLICA_KINDS, Piece, shard_pieces
 from spotline.protocol import ModelStateBytes
-
-REPLICA_KINDS = ("full", "sharded")
 
 
 def layer_of(name: str) -> int:

@@ -24,6 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal, get_args
+
+# What each replica holder keeps of its successor (``spotline.redundancy.replica``): all of
+# it, or (with D data-parallel pipelines) one of D equal element ranges of it.
+ReplicaKind = Literal["full", "sharded"]
+REPLICA_KINDS: tuple[ReplicaKind, ...] = get_args(ReplicaKind)
 
 
 @dataclass(frozen=True)
