@@ -16,6 +16,8 @@ it runs, so the bits depend on neither the processes nor the backend:
    ``2 (P - 1) / P``: the same bytes when each process hosts one. The next chunk's
    all-to-all runs while this one is folded.
 3. On one process (or ``local``) the same fold over the hosted gradients, nothing sent.
+4. Two logical workers on two processes: a float all-reduce, whose one addition of two
+   operands per element is the fold's (addition commutes; :func:`_pair_sum`).
 
 The error against the true sum is a float32 sum's (at most ``(N - 1) 2**-24`` of the sum
 of magnitudes), what a float all-reduce has. A non-finite result (a NaN or Inf gradient, or
@@ -128,7 +130,9 @@ def exact_sum(
     assert result.shape == (numel,) and result.dtype == torch.float32, "out: flat float32"
     # Over processes only where there are several (a one-process group is the local fold).
     sharded = distributed and dist.get_world_size(group) > 1
-    if sharded:
+    if sharded and num_logical_workers == 2 and dist.get_world_size(group) == 2:
+        _pair_sum(flats, result, group, scale)
+    elif sharded:
         _sharded_sum(flats, result, group, _hosts(ids, num_logical_workers, group), scale)
     else:
         assert len(flats) == num_logical_workers, "every logical worker hosted here"
@@ -188,6 +192,27 @@ def bytes_sent_per_process(numel: int, hosted: Sequence[int]) -> int:
     if processes == 1:
         return 0
     return 4 * (max(hosted) + 1) * numel * (processes - 1) // processes
+
+
+def _pair_sum(
+    flats: Sequence[torch.Tensor],
+    result: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    scale: float,
+) -> None:
+    """Two logical workers on two processes, one each: a plain float all-reduce.
+
+    With two operands every reduction adds them once per element, as ``a + b`` on one
+    process and ``b + a`` on the other or either sent to both, and IEEE addition commutes:
+    the bits are the fold's ``g_0 + g_1`` whatever the backend's algorithm (ring, tree,
+    halving-doubling). One collective instead of the host map, the all-to-all and the
+    all-gather: the 2 x 2 topology's reduction at a float all-reduce's cost."""
+    # Two processes hosting two workers, at least one each (exact_sum's check): one each.
+    assert len(flats) == 1, f"a process of two hosts {len(flats)} of two logical workers"
+    result.copy_(flats[0])
+    dist.all_reduce(result, group=group)
+    if scale != 1.0:
+        result.mul_(scale)
 
 
 def _sharded_sum(

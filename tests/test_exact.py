@@ -88,6 +88,10 @@ GROUPINGS = {
     "1-3-2 in 3000-element chunks": "5;0,2,4;1,3#3000",
 }
 POISONED = "0,1,2;3,4,5@4"
+# Two logical workers on two processes: summed by a plain float all-reduce (spotline.exact's
+# pair path), which must give the one-process fold's bits, g0 + g1; and its NaN refused.
+PAIR = "0;1"
+PAIR_POISONED = "0;1@1"
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +99,7 @@ def ranks_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[int, di
     """Every grouping and the poisoned case, each on its own gloo group of one launch of
     three processes: per case, each member rank's result."""
     out = tmp_path_factory.mktemp("exact")
-    cases = [*GROUPINGS.values(), POISONED]
+    cases = [*GROUPINGS.values(), POISONED, PAIR, PAIR_POISONED]
     world = max(len(case.partition("#")[0].partition("@")[0].split(";")) for case in cases)
     codes = run_ranks(WORKER, world, [str(out), *cases], timeout=240)
     assert codes == [0] * world
@@ -125,6 +129,19 @@ def test_a_non_finite_gradient_stops_every_process(
 ) -> None:
     poisoned = ranks_results[len(GROUPINGS)]
     assert poisoned == {0: {"non_finite": [4]}, 1: {"non_finite": [4]}}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_workers_on_two_processes_give_the_one_process_fold(
+    ranks_results: list[dict[int, dict[str, Any]]],
+) -> None:
+    g = gradients(None)
+    local = exact_sum([(1, g[1]), (0, g[0])], num_logical_workers=2)
+    assert torch.equal(local, g[0] + g[1])
+    pair, poisoned = ranks_results[len(GROUPINGS) + 1 :]
+    assert {r["sha256"] for r in pair.values()} == {digest(local)}
+    assert poisoned == {0: {"non_finite": [1]}, 1: {"non_finite": [1]}}
 
 
 def test_the_chunked_sum_equals_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:

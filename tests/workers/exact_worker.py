@@ -3,7 +3,8 @@
 Every rank builds the same six logical workers' gradients from a fixed seed. For each case
 on the command line (``GROUPS``, ``GROUPS@POISON`` or either with ``#ELEMENTS``, e.g.
 "0,1,2;3,4,5": rank 0 hosts 0, 1 and 2; ``@4``: logical worker 4's gradient has a NaN;
-``#3000``: chunks of 3000 elements instead of spotline.exact.CHUNK) the first
+``#3000``: chunks of 3000 elements instead of spotline.exact.CHUNK; a case naming
+workers 0 and 1 only sums those two) the first
 ``len(GROUPS)`` ranks keep the gradients it assigns them, reduce them with
 spotline.exact.exact_sum over a gloo group of just those ranks, and write the result's
 SHA-256 (or the error) to ``out_dir/case{i}-rank{r}.json``. One launch runs every case: a
@@ -39,6 +40,10 @@ def gradients(poison: int | None) -> list[torch.Tensor]:
     return grads
 
 
+def _not_for_a_pair(*args: object, **kwargs: object) -> None:
+    raise AssertionError("two logical workers on two processes took the sharded fold")
+
+
 def main() -> None:
     out_dir, cases = sys.argv[1], sys.argv[2:]
     rank = int(os.environ["RANK"])
@@ -55,16 +60,24 @@ def main() -> None:
         if rank >= len(hosts):
             continue
         mine = [int(w) for w in hosts[rank].split(",")]
+        num_logical_workers = len(groups.replace(";", ",").split(","))
+        # The pair's sum must take the plain all-reduce, not the general sharded fold.
+        exact_sharded_sum = exact._sharded_sum
+        if num_logical_workers == 2:
+            exact._sharded_sum = _not_for_a_pair
         grads = gradients(poison)
         try:
             total = exact_sum(
                 [(w, grads[w]) for w in mine],
-                num_logical_workers=NUM_LOGICAL_WORKERS,
+                # The workers the case names: all six, or the first two ("0;1", the pair
+                # that a plain all-reduce sums).
+                num_logical_workers=num_logical_workers,
                 group=group,
             )
             result = {"sha256": hashlib.sha256(total.numpy().tobytes()).hexdigest()}
         except NonFiniteGradient as exc:
             result = {"non_finite": list(exc.logical_workers)}
+        exact._sharded_sum = exact_sharded_sum
         with open(os.path.join(out_dir, f"case{index}-rank{rank}.json"), "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
