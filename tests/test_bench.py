@@ -161,3 +161,22 @@ def test_data_parallel_baseline_and_exact_engine_run_side_by_side(tmp_path: Path
         result = run_dp(mode, config, 2, 3, tmp_path / mode)
         assert result["mode"] == mode and result["step_time_s"] > 0
         assert len(result["peak_rss_mib_per_rank"]) == 2
+
+
+def test_two_pipelines_add_the_sharded_mode_with_its_flags_and_schedule() -> None:
+    """``--pipelines 2``: each case runs 2 pipelines and benches lazy-sharded beside the
+    three modes, as lazy with ``--replica sharded``, on lazy's schedule without its replay
+    stashes; one pipeline benches the three modes only."""
+    from spotline.launch.bench.redundancy import MODE_FLAGS, parse_cases, schedule_facts
+
+    [one] = parse_cases("2x4")
+    [two] = parse_cases("2x4", pipelines=2)
+    assert (one.num_workers, two.num_workers) == (2, 4)
+    assert one.modes == ("off", "lazy", "eager")
+    assert two.modes == ("off", "lazy", "eager", "lazy-sharded")
+    assert MODE_FLAGS["lazy-sharded"] == ("--redundancy", "lazy", "--replica", "sharded")
+    facts = schedule_facts(two)
+    assert "lazy-sharded" not in schedule_facts(one)["num_schedule_steps"]
+    # The same steps as lazy: only the stashes (no steps of their own) are left out.
+    assert facts["num_schedule_steps"]["lazy-sharded"] == facts["num_schedule_steps"]["lazy"]
+    assert facts["num_extra_steps"]["lazy-sharded"] == 0
