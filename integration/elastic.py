@@ -96,7 +96,7 @@ from spotline.protocol import (
     stop_checkpoint_key,
     stop_key,
 )
-from spotline.redundancy import RedundantPipelineEngine, piece_of
+from spotline.redundancy import RedundantPipelineEngine, piece_of, stage_of_name
 from spotline.runtime import configure_process, peak_rss_mib, seed_everything
 
 OPT_KEYS = ("step", "exp_avg", "exp_avg_sq")
@@ -141,14 +141,6 @@ class Holdings:
             )
             for s, st in sorted(self.stages.items())
         ]
-
-
-def stage_of_name(name: str, logical: list[int]) -> int:
-    layer = int(name.split(".", 1)[0])
-    for stage in range(len(logical) - 1):
-        if logical[stage] <= layer < logical[stage + 1]:
-            return stage
-    raise AssertionError(f"{name} is in no logical stage")
 
 
 def _opt_state(

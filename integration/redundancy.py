@@ -60,9 +60,14 @@ from spotline.plan.shards import REPLICA_KINDS, Piece, shard_pieces
 from spotline.protocol import ModelStateBytes
 
 
-def layer_of(name: str) -> int:
-    """The global layer index a parameter name starts with (``"3.attn.c_attn.weight"``)."""
-    return int(name.split(".", 1)[0])
+def stage_of_name(name: str, logical: Sequence[int]) -> int:
+    """The logical stage (layer boundaries ``logical``) of a parameter (or piece) name, which
+    starts with its global layer index (``"3.attn.c_attn.weight"``)."""
+    layer = int(name.split(".", 1)[0])
+    for stage in range(len(logical) - 1):
+        if logical[stage] <= layer < logical[stage + 1]:
+            return stage
+    raise AssertionError(f"{name} is in no logical stage")
 
 
 def shard_pieces_of(
@@ -75,9 +80,7 @@ def shard_pieces_of(
     and the holder keeps its pieces in."""
     by_stage: dict[int, list[tuple[str, int]]] = {}
     for name, p in named:
-        layer = layer_of(name)
-        stage = next(s for s in range(len(logical) - 1) if logical[s] <= layer < logical[s + 1])
-        by_stage.setdefault(stage, []).append((name, p.numel()))
+        by_stage.setdefault(stage_of_name(name, logical), []).append((name, p.numel()))
     return tuple(
         piece
         for stage in sorted(by_stage)
