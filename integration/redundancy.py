@@ -343,7 +343,6 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         # Sharded over the physical pipelines; with one, the one shard is the whole.
         shards = int(self.grid.get_data_parallel_world_size()) if replica == "sharded" else 1
         shard = int(self.grid.data_parallel_id) if shards > 1 else 0
-        self.replica_shard, self.replica_shards = shard, shards
         self.replica: Replica | None = None
         # The pieces of this stage's parameters its sharded replica holder keeps (this
         # pipeline's shard): what this stage sends it and is compared with. None: the holder
