@@ -6,6 +6,14 @@ instruction it executes (``ForwardPass``, ``ReduceGrads``, ``ReplicaStep``, ...)
 ``<folder>/<name>.json``: seconds and calls by instruction, and the steps measured. A
 waiting instruction (``RecvActivations``) holds the time its peer made it wait: the
 pipeline's bubbles show there. Unset, nothing is wrapped. Pure: no torch.
+
+Each instruction is timed twice: on the wall clock and in the process's CPU time (every
+thread: gloo's collectives run on its own threads). Their difference is waiting, so a
+profile tells the work a variant adds from the waits it causes; with more processes than
+cores, the step is the CPU summed over the ranks. The process's first optimizer step is
+left out (its one-off costs: allocations, first collectives), and the time between two
+optimizer steps' ends is counted as the step, so what a step spends outside the schedule
+(the loop, the loss, the store) is measured, not inferred.
 """
 
 from __future__ import annotations
@@ -20,32 +28,66 @@ from typing import Any
 PROFILE_ENV = "SPOTLINE_INSTRUCTION_PROFILE"
 
 
+STEP = "OptimizerStep"
+# The whole step (from one optimizer step's end to the next's), wall and CPU: the key in
+# ``seconds`` and ``cpu_seconds`` beside the instructions'.
+WHOLE_STEP = "step"
+
+
 @dataclass
 class InstructionProfile:
-    """Seconds and calls by instruction name, summed over the steps of one process."""
+    """Seconds (wall and CPU) and calls by instruction name, summed over the steps of one
+    process after its first."""
 
     seconds: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
+    # (wall, CPU) clocks at the end of the last optimizer step; None before the first.
+    _mark: tuple[float, float] | None = field(default=None, repr=False, compare=False)
 
     @property
     def steps(self) -> int:
-        """Optimizer steps run: one ``OptimizerStep`` instruction each."""
-        return self.calls.get("OptimizerStep", 0)
+        """Optimizer steps measured: one ``OptimizerStep`` instruction each."""
+        return self.calls.get(STEP, 0)
 
-    def add(self, name: str, seconds: float) -> None:
+    def add(self, name: str, seconds: float, cpu_seconds: float = 0.0) -> None:
+        """One instruction's ``seconds`` on the wall clock and ``cpu_seconds`` of CPU."""
+        if self._mark is None:
+            # Before the first optimizer step's end: one-off costs, not counted.
+            if name == STEP:
+                self._mark = (time.perf_counter(), time.process_time())
+            return
         self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+        self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + cpu_seconds
         self.calls[name] = self.calls.get(name, 0) + 1
+        if name == STEP:
+            wall, cpu = time.perf_counter(), time.process_time()
+            self.seconds[WHOLE_STEP] = self.seconds.get(WHOLE_STEP, 0.0) + wall - self._mark[0]
+            self.cpu_seconds[WHOLE_STEP] = (
+                self.cpu_seconds.get(WHOLE_STEP, 0.0) + cpu - self._mark[1]
+            )
+            self._mark = (wall, cpu)
 
     def to_json(self) -> dict[str, Any]:
-        return {"seconds": self.seconds, "calls": self.calls, "steps": self.steps}
+        return {
+            "seconds": self.seconds,
+            "cpu_seconds": self.cpu_seconds,
+            "calls": self.calls,
+            "steps": self.steps,
+        }
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> InstructionProfile:
-        return cls(dict(raw["seconds"]), dict(raw["calls"]))
+        return cls(dict(raw["seconds"]), dict(raw["calls"]), dict(raw.get("cpu_seconds", {})))
 
     def per_step(self) -> dict[str, float]:
-        """Seconds per step by instruction (the steps measured, at least one)."""
+        """Wall seconds per step by instruction (the steps measured, at least one); the
+        whole step under ``WHOLE_STEP``."""
         return {k: v / max(1, self.steps) for k, v in self.seconds.items()}
+
+    def cpu_per_step(self) -> dict[str, float]:
+        """CPU seconds per step by instruction; the whole step under ``WHOLE_STEP``."""
+        return {k: v / max(1, self.steps) for k, v in self.cpu_seconds.items()}
 
 
 def profile_dir() -> Path | None:
@@ -60,11 +102,11 @@ def timed_map(
 
     def timed(name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
         def run(engine: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 return handler(engine, **kwargs)
             finally:
-                profile.add(name, time.perf_counter() - t0)
+                profile.add(name, time.perf_counter() - t0, time.process_time() - c0)
 
         return run
 

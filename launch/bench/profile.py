@@ -3,17 +3,21 @@
 The foundation's three engines (Spotline with lazy redundancy, Spotline with redundancy off,
 stock DeepSpeed ``PipelineEngine``) on the same model and topology, one run each with
 ``SPOTLINE_INSTRUCTION_PROFILE`` set (:mod:`spotline.instruction_profile`): every rank times
-every schedule instruction it executes. The table gives seconds per step by instruction, the
-mean over ranks; what a step spends outside the schedule (the loop, the loss, the store) is
-its median step time less the instructions' sum. Waiting shows in the receive instructions.
+every schedule instruction it executes, on the wall clock and in CPU time. The table gives
+milliseconds per step by instruction, wall / CPU, the mean over ranks (the first step of each
+rank left out); what a step spends outside the schedule (the loop, the loss, the store) is
+the measured step less the instructions' sum. A wall time above its CPU time is waiting.
+Below it: the CPU of one step summed over the ranks (with more processes than cores, the
+step's floor) and the cores' idle time (cores x step - that CPU).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
-from spotline.instruction_profile import PROFILE_ENV, InstructionProfile
+from spotline.instruction_profile import PROFILE_ENV, WHOLE_STEP, InstructionProfile
 from spotline.launch.bench.foundation import (
     FOUNDATION_VARIANTS,
     VARIANT_FLAGS,
@@ -41,10 +45,31 @@ def read_profiles(folder: Path) -> list[InstructionProfile]:
     ]
 
 
-def mean_per_step(profiles: list[InstructionProfile]) -> dict[str, float]:
-    """Seconds per step by instruction, the mean over ranks (every rank runs every step)."""
+def mean_per_step(profiles: list[InstructionProfile], *, cpu: bool = False) -> dict[str, float]:
+    """Seconds per step by instruction, the mean over ranks (every rank runs every step);
+    CPU seconds with ``cpu``."""
     names = sorted({n for p in profiles for n in p.seconds})
-    return {n: sum(p.per_step().get(n, 0.0) for p in profiles) / len(profiles) for n in names}
+
+    def of(p: InstructionProfile) -> dict[str, float]:
+        return p.cpu_per_step() if cpu else p.per_step()
+
+    return {n: sum(of(p).get(n, 0.0) for p in profiles) / len(profiles) for n in names}
+
+
+def summarize(profiles: list[InstructionProfile]) -> dict[str, Any]:
+    """The report's figures of one variant's ranks: per instruction (wall and CPU, the mean
+    over ranks), the whole step, what lies outside the schedule, the CPU of a step summed
+    over the ranks."""
+    wall, cpu = mean_per_step(profiles), mean_per_step(profiles, cpu=True)
+    step_wall, step_cpu = wall.pop(WHOLE_STEP, 0.0), cpu.pop(WHOLE_STEP, 0.0)
+    return {
+        "instructions_s_per_step": wall,
+        "instructions_cpu_s_per_step": cpu,
+        "step_s": step_wall,
+        "outside_s_per_step": step_wall - sum(wall.values()),
+        "outside_cpu_s_per_step": step_cpu - sum(cpu.values()),
+        "step_cpu_s_all_ranks": step_cpu * len(profiles),
+    }
 
 
 def bench_profile(settings: BenchSettings, stages: int = 2) -> dict[str, Any]:
@@ -61,11 +86,9 @@ def bench_profile(settings: BenchSettings, stages: int = 2) -> dict[str, Any]:
             result = run_spotline_train(config, run_dir, VARIANT_FLAGS[variant], env)
         else:
             result = run_stock(config, cfg.num_workers, run_dir, env)
-        per_step = mean_per_step(read_profiles(folder))
         variants[variant] = {
             "step_time_s": result["step_time_s"],
-            "instructions_s_per_step": per_step,
-            "outside_s_per_step": result["step_time_s"] - sum(per_step.values()),
+            **summarize(read_profiles(folder)),
         }
     return {
         "bench": "profile",
@@ -73,7 +96,9 @@ def bench_profile(settings: BenchSettings, stages: int = 2) -> dict[str, Any]:
         "workers": cfg.num_workers,
         "stages": cfg.num_stages,
         "steps": settings.steps,
-        "statistic": "seconds per step by schedule instruction, mean over ranks; one run each",
+        "statistic": "seconds per step by schedule instruction (wall and CPU), mean over ranks, "
+        "each rank's first step left out; one run each",
+        "cores": os.cpu_count(),
         "variants": variants,
         "machine": machine_info(),
     }
@@ -85,26 +110,60 @@ def format_profile(report: dict[str, Any]) -> str:
         {n for x in v.values() for n in x["instructions_s_per_step"]},
         key=lambda n: -max(x["instructions_s_per_step"].get(n, 0.0) for x in v.values()),
     )
+
+    def cell(wall: float | None, cpu: float | None) -> str:
+        if wall is None:
+            return "-"
+        return f"{wall * 1000:.1f} / {(cpu or 0.0) * 1000:.1f}"
+
     rows = [
         f"### profile: {report['model']}, {report['workers']} workers ({report['stages']} stages), "
-        f"{report['steps']} steps; ms per step, mean over ranks",
+        f"{report['steps']} steps; ms per step, wall / CPU, mean over ranks, first step left out",
         "",
         "| instruction | " + " | ".join(PROFILE_VARIANTS) + " |",
         "|---|" + "---:|" * len(PROFILE_VARIANTS),
     ]
     for name in names:
-        cells = []
-        for variant in PROFILE_VARIANTS:
-            seconds = v[variant]["instructions_s_per_step"].get(name)
-            cells.append("-" if seconds is None else f"{seconds * 1000:.1f}")
+        cells = [
+            cell(
+                v[x]["instructions_s_per_step"].get(name),
+                v[x].get("instructions_cpu_s_per_step", {}).get(name),
+            )
+            for x in PROFILE_VARIANTS
+        ]
         rows.append(f"| {name} | " + " | ".join(cells) + " |")
     rows.append(
         "| outside the schedule | "
-        + " | ".join(f"{v[x]['outside_s_per_step'] * 1000:.1f}" for x in PROFILE_VARIANTS)
+        + " | ".join(
+            cell(v[x]["outside_s_per_step"], v[x].get("outside_cpu_s_per_step"))
+            for x in PROFILE_VARIANTS
+        )
         + " |"
     )
     rows.append(
-        "| step (median) | "
+        "| step (measured ranks' mean) | "
+        + " | ".join(f"{v[x].get('step_s', 0.0) * 1000:.1f}" for x in PROFILE_VARIANTS)
+        + " |"
+    )
+    rows.append(
+        "| step CPU, all ranks | "
+        + " | ".join(
+            f"{v[x].get('step_cpu_s_all_ranks', 0.0) * 1000:.1f}" for x in PROFILE_VARIANTS
+        )
+        + " |"
+    )
+    cores = report.get("cores")
+    if cores:
+        rows.append(
+            f"| idle core time ({cores} cores x step - CPU) | "
+            + " | ".join(
+                f"{(cores * v[x].get('step_s', 0.0) - v[x].get('step_cpu_s_all_ranks', 0.0)) * 1000:.1f}"
+                for x in PROFILE_VARIANTS
+            )
+            + " |"
+        )
+    rows.append(
+        "| step (the run's median) | "
         + " | ".join(f"{v[x]['step_time_s'] * 1000:.1f}" for x in PROFILE_VARIANTS)
         + " |"
     )
