@@ -87,3 +87,44 @@ class LivenessProbe:
     def close(self) -> None:
         for machine in list(self._in_flight):
             self._end(machine, time.monotonic())
+
+
+class Pokes:
+    """Wake agents: a connection to an agent's liveness port, carrying nothing, wakes it
+    from its sleep between heartbeats (``spotline.launch.agent``), so an order written to
+    the store is read at once rather than at the next beat. Non-blocking, as the probes
+    are: a connect still in progress is kept and closed once done or after GIVE_UP_S (a
+    silent machine reads the order at its next beat, if ever)."""
+
+    def __init__(self) -> None:
+        self._in_flight: list[tuple[socket.socket, float]] = []
+
+    def poke(self, address: str, port: int) -> None:
+        self._reap()
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        if sock.connect_ex((address, port)) == errno.EINPROGRESS:
+            self._in_flight.append((sock, time.monotonic()))
+        else:  # connected (the agent will accept it) or refused (nobody to wake)
+            sock.close()
+
+    def _reap(self) -> None:
+        """Close the connects that completed, failed, or waited past GIVE_UP_S."""
+        if not self._in_flight:
+            return
+        _, writable, _ = select.select([], [s for s, _ in self._in_flight], [], 0)
+        now = time.monotonic()
+        done = set(writable)
+        keep = []
+        for sock, started in self._in_flight:
+            if sock in done or now - started > GIVE_UP_S:
+                sock.close()
+            else:
+                keep.append((sock, started))
+        self._in_flight = keep
+
+    def close(self) -> None:
+        for sock, _ in self._in_flight:
+            sock.close()
+        self._in_flight = []

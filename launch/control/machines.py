@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from spotline.auth import AuthStore, is_sealed, unsealed_payload
+from spotline.launch.control.liveness import Pokes
 from spotline.protocol import (
     JOB_END_KEY,
     MACHINES_COUNTER,
@@ -91,6 +92,7 @@ class Machines:
         self.lost: set[str] = set()  # declared lost and fenced: never placed again
         self._decided: set[int] = set()  # machine/<n> admitted or refused
         self._low = 1  # the first n not decided
+        self._pokes = Pokes()  # wakes an agent once its order is in the store
 
     def refresh(self) -> list[MachineInfo]:
         """Admit (or refuse) the machines that registered since the last call; returns the
@@ -183,6 +185,9 @@ class Machines:
         assert machine in self.joined, f"no machine {machine!r} joined"
         n = self.store.add(order_counter_key(machine), 1)
         self.store.set(order_key(machine, n), order.encode())
+        info = self.joined[machine]
+        # The agent sleeps between heartbeats: woken, it reads the order now.
+        self._pokes.poke(info.address, info.probe_port)
 
     def start(self, machine: str, worker: str, module: str, argv: list[str]) -> AgentProcess:
         """Order ``machine``'s agent to start ``worker`` (``python -m module *argv``)."""

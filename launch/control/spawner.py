@@ -153,6 +153,13 @@ class Spawner:
         self._by_pid[proc.pid] = proc
         return proc
 
+    def exit_pipe(self) -> IO[bytes] | None:
+        """The pipe the zygote reports exits on, to wait on with select() (its readability
+        means a reply to read); None once it has ended (select would return at once)."""
+        if self.zygote_gone or self._replies.closed:
+            return None
+        return self._replies
+
     def read_replies(self, timeout_s: float) -> bool:
         """Read what the zygote reported within ``timeout_s``; whether anything came."""
         if self._replies.closed:  # after close(): nothing more will be reported
@@ -201,10 +208,20 @@ def _exists(pid: int) -> bool:
     return True
 
 
+# The zygote's own descriptors, closed in each forked child.
+_CHILD_CLEANUP: list[int] = []
+
+
 def _run_child(request: dict[str, object]) -> None:
     """In the forked child: become the worker process the request describes. Never returns."""
     code = 1
     try:
+        # Not the zygote's: its exit pipe and SIGCHLD handler (a worker's own children are
+        # its own business).
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for fd in _CHILD_CLEANUP:
+            os.close(fd)
         os.setsid()
         log_fd = os.open(str(request["log"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null_fd = os.open(os.devnull, os.O_RDONLY)
@@ -272,14 +289,31 @@ def _serve(preload: list[str]) -> int:
     requests = sys.stdin.fileno()
     pending = b""
     children: dict[int, str] = {}  # pid -> the request's id
+    # A child's exit wakes the loop at once: SIGCHLD writes a byte to this pipe (Python's
+    # wakeup fd, written by the C handler even while select() waits), so the zygote sleeps
+    # until there is something to do instead of polling waitpid 50 times a second.
+    exited_r, exited_w = os.pipe()
+    os.set_blocking(exited_r, False)
+    os.set_blocking(exited_w, False)
+    signal.set_wakeup_fd(exited_w)
+    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    _CHILD_CLEANUP.extend([exited_r, exited_w])
 
     def reply(message: dict[str, object]) -> None:
         out.write(json.dumps(message).encode() + b"\n")
         out.flush()
 
     while True:
-        ready, _, _ = select.select([requests], [], [], REAP_POLL_S)
-        if ready:
+        # The timeout only bounds a missed wakeup (the pipe full): exits are reaped below.
+        ready, _, _ = select.select([requests, exited_r], [], [], 1.0)
+        if exited_r in ready:
+            while True:
+                try:
+                    if not os.read(exited_r, 4096):
+                        break
+                except BlockingIOError:
+                    break
+        if requests in ready:
             chunk = os.read(requests, 65536)
             if not chunk:
                 # The supervisor is gone (or done): so is the zygote. Its workers, if any
