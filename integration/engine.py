@@ -234,7 +234,11 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
 
     def _exec_keep_logical_gradients(self, index: int) -> None:
         worker = self.hosted_logical_workers[index]
-        self.logical_gradients.keep(worker)
+        # The step's last logical worker: ReduceGrads follows and replaces the gradients
+        # with views of the sum (a failed step is run again by a new engine, on fresh
+        # gradients), so they need no zeroing.
+        last = index == len(self.hosted_logical_workers) - 1
+        self.logical_gradients.keep(worker, zero=not last)
         if self.is_last_stage():
             assert self.total_loss is not None
             # DeepSpeed's own scaling of the summed micro-batch losses (divided by their count).

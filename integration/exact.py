@@ -66,8 +66,13 @@ class NonFiniteGradient(FloatingPointError):
 
 
 def _finite(flat: torch.Tensor) -> bool:
-    """Whether every element is finite: ``amax`` and ``amin`` propagate NaN and reach an
-    Inf, with no temporary of the tensor's size."""
+    """Whether every element is finite, in one pass when they are: an Inf or a NaN makes
+    every partial sum that holds it non-finite (Inf + x is Inf, Inf - Inf and NaN + x are
+    NaN), so a finite sum proves every element finite. A non-finite sum may also be finite
+    elements that overflowed: then ``amax`` and ``amin`` decide (they propagate NaN and
+    reach an Inf); no temporary of the tensor's size either way."""
+    if bool(torch.isfinite(flat.sum())):
+        return True
     return bool(torch.isfinite(flat.amax())) and bool(torch.isfinite(flat.amin()))
 
 
@@ -339,8 +344,13 @@ class LogicalGradients:
         self._buffers: list[torch.Tensor] = []
         self._total: torch.Tensor | None = None
 
-    def keep(self, logical_worker: int) -> None:
-        """Move the current gradients out as ``logical_worker``'s and zero them."""
+    def keep(self, logical_worker: int, *, zero: bool = True) -> None:
+        """Move the current gradients out as ``logical_worker``'s and zero them.
+
+        ``zero=False`` for a step's last logical worker, when :meth:`reduce` follows and a
+        failed step is not run again on these gradients (the pipeline engine's): reduce
+        replaces every gradient with a view of the sum, so nothing reads or adds to them
+        again, and zeroing them would be a pass over the whole gradient for nothing."""
         if not 0 <= logical_worker < self.num_logical_workers:
             raise ValueError(
                 f"logical worker {logical_worker} not in 0..{self.num_logical_workers - 1}"
@@ -355,7 +365,8 @@ class LogicalGradients:
                 flat[offset : offset + n].zero_()
             else:
                 flat[offset : offset + n].copy_(p.grad.detach().reshape(-1))
-                p.grad.zero_()
+                if zero:
+                    p.grad.zero_()
             offset += n
         self.kept.append((logical_worker, flat))
 
