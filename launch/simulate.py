@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 from spotline.errors import UserError
 from spotline.plan.capacity import DEFAULT_STAGES_PER_WORKER
+from spotline.plan.shards import REPLICA_KINDS
 from spotline.plan.traces import (
     TRACE_FORMATS,
     Trace,
@@ -120,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="room for C logical stages on a worker (default 2: a stage and its replica, as "
         "Bamboo): no policy runs more than C stages on a worker, so fewer than "
         "ceil(stages / C) workers wait",
+    )
+    parser.add_argument(
+        "--replica",
+        choices=REPLICA_KINDS,
+        help="the Spotline policies' replicas, as spotline.redundancy.replica: full (default) "
+        "or sharded (each of a stage's replica holders keeps one shard: a stage whose owners "
+        "are all lost survives only while every one of its shard holders lives)",
     )
     parser.add_argument("--model", default="gpt2", help="a model of the calibration table")
     parser.add_argument("--output", type=Path, required=True, help="directory for the results")
@@ -272,6 +280,12 @@ def _assumptions(
             config.stages_per_worker
         ),
     }
+    if config.sharded_replicas:  # full replicas: the assumptions read as before --replica
+        out["replicas"] = (
+            "sharded: each replica holder of a stage keeps one shard of it (one per pipeline); "
+            "a stage whose owners are all lost is taken over only while every one of its "
+            "shard holders lives (spotline.plan.shards)"
+        )
     slots = config.slots_per_machine
     if slots > 1:  # one slot per node: the assumptions read as before --slots existed
         out["slots_per_node"] = (
@@ -539,6 +553,7 @@ def _run(argv: list[str]) -> int:
         stages_per_worker=(
             DEFAULT_STAGES_PER_WORKER if args.stages_per_worker is None else args.stages_per_worker
         ),
+        sharded_replicas=args.replica == "sharded",
     )
     if args.trace is not None:
         if args.seeds is not None:

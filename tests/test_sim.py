@@ -276,6 +276,7 @@ def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
         ["--preempt-rate", "0.1", "--nodes", "16", "--policies", "magic"],
         ["--sweep", "0.1,abc", "--nodes", "16"],
         ["--preempt-rate", "0.1", "--nodes", "16", "--model", "nope"],
+        ["--preempt-rate", "0.1", "--nodes", "16", "--replica", "half"],
         ["--nodes", "16"],
     ],
 )
@@ -774,6 +775,27 @@ def test_cli_sweep_table_compares_every_policy_with_the_ideal_and_on_demand(
     table = _table(out)
     assert table["0.5 ideal"]["of ideal"] == "1.00"
     assert table["0.5 spotline"]["of ideal"] == f"{spot['samples_vs_ideal']:.2f}"
+
+
+def test_cli_simulates_sharded_replicas_when_asked(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--replica sharded`` reaches the simulator's config (SimConfig.sharded_replicas, which
+    the exposure tests exercise) and the assumptions say so; without it they read as before."""
+    base = ["--preempt-rate", "0.5", "--seeds", "1", "--hours", "1", "--nodes", "16"]
+    for extra, sharded in (([], False), (["--replica", "sharded"], True)):
+        output = tmp_path / f"out-{sharded}"
+        code, out, _ = run_cli(
+            [*base, *extra, "--policies", "spotline", "--output", str(output), "--no-progress"],
+            capsys,
+        )
+        assert code == 0
+        document = json.loads((output / "results.json").read_text())
+        assert ("replicas" in document["assumptions"]) is sharded
+        assert ("--replica sharded" in document["command"]) is sharded
+        if sharded:
+            assert document["assumptions"]["replicas"].startswith("sharded: ")
+            assert "replicas: sharded: " in out
 
 
 # Every shipped trace `spotline simulate` reads, at a fixed sample of node counts from 8 to
