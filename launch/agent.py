@@ -40,7 +40,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 from spotline.auth import (
     TOKEN_ENV,
@@ -89,6 +89,16 @@ DEFAULT_PRELOAD = "spotline.launch.elastic_worker"
 LOCAL_MACHINE = "local"
 SPAWNER_READY_WAIT_S = 300.0
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
+
+
+class ExitReports(Protocol):
+    """Where an agent's workers' exits are reported (the spawner)."""
+
+    def exit_pipe(self) -> IO[bytes] | None:
+        """A pipe readable when a report is waiting; None once no more will come."""
+
+    def read_replies(self, timeout_s: float) -> bool:
+        """Read the waiting reports (within ``timeout_s``); whether any came."""
 
 
 class Refused(Exception):
@@ -151,8 +161,8 @@ class Agent:
         self.registration = 0
         self.last_beat = -float("inf")
         self.listener = listener  # the liveness port, non-blocking
-        # Readable when a worker's exit is reported (the spawner's pipe); None: no such pipe.
-        self.exits: Callable[[], Any] | None = None
+        # Where workers' exits are reported (the spawner): its pipe wakes the agent.
+        self.exits: ExitReports | None = None
 
     def join(self) -> None:
         """Register this machine (sealed with the token, if this agent has one)."""
@@ -224,10 +234,15 @@ class Agent:
         if left <= 0:
             return
         watched: list[Any] = [self.listener]
-        pipe = self.exits() if self.exits is not None else None
+        pipe = self.exits.exit_pipe() if self.exits is not None else None
         if pipe is not None:
             watched.append(pipe)
-        select.select(watched, [], [], left)
+        ready, _, _ = select.select(watched, [], [], left)
+        if pipe is not None and pipe in ready:
+            # Read it now: with no live worker nobody else would (a pipe left readable,
+            # its end above all, would make every later select return at once).
+            assert self.exits is not None
+            self.exits.read_replies(0.0)
 
     def _answer_probes(self) -> None:
         """Accept and close the coordinator's liveness probes (the connect itself is the
@@ -485,7 +500,7 @@ def _join_and_serve(
         )
         return EXIT_COORDINATOR_LOST
     agent = Agent(store, token, machine, spawner.start, env=env, logs=logs, listener=listener)
-    agent.exits = spawner.exit_pipe
+    agent.exits = spawner
     signal.signal(signal.SIGTERM, lambda signum, frame: agent.notice())
     try:
         # Joined only once a worker can be forked at once: the agent's loop (its heartbeat)

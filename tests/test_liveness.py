@@ -104,7 +104,21 @@ def test_an_agent_sleeps_until_its_beat_and_a_poke_or_an_exit_wakes_it(tmp_path:
         listener=listener,
     )
     reader = os.fdopen(exit_r, "rb", buffering=0)
-    a.exits = lambda: reader
+
+    class Reports:
+        """The spawner's side: its pipe, and the reads of what came on it."""
+
+        read: list[bytes] = []
+
+        def exit_pipe(self) -> object:
+            return reader
+
+        def read_replies(self, timeout_s: float) -> bool:
+            self.read.append(reader.read(4096) or b"")
+            return True
+
+    reports = Reports()
+    a.exits = reports  # type: ignore[assignment]
     pokes = Pokes()
     try:
         a.last_beat = time.monotonic() + 3600.0  # the next beat is an hour away
@@ -113,7 +127,8 @@ def test_an_agent_sleeps_until_its_beat_and_a_poke_or_an_exit_wakes_it(tmp_path:
         conn, _ = listener.accept()
         conn.close()
         os.write(exit_w, b"x")
-        a.wait_for_news()  # woken by the exit pipe
+        a.wait_for_news()  # woken by the exit pipe, and it read what came
+        assert reports.read == [b"x"]
         a.last_beat = -float("inf")
         a.wait_for_news()  # the beat is due: no wait at all
     finally:
