@@ -14,6 +14,7 @@ step's floor) and the cores' idle time (cores x step - that CPU).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -116,55 +117,40 @@ def format_profile(report: dict[str, Any]) -> str:
             return "-"
         return f"{wall * 1000:.1f} / {(cpu or 0.0) * 1000:.1f}"
 
+    def row(label: str, cells: Iterable[str]) -> str:
+        return f"| {label} | " + " | ".join(cells) + " |"
+
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1000:.1f}"
+
     rows = [
         f"### profile: {report['model']}, {report['workers']} workers ({report['stages']} stages), "
         f"{report['steps']} steps; ms per step, wall / CPU, mean over ranks, first step left out",
         "",
-        "| instruction | " + " | ".join(PROFILE_VARIANTS) + " |",
+        row("instruction", PROFILE_VARIANTS),
         "|---|" + "---:|" * len(PROFILE_VARIANTS),
     ]
     for name in names:
-        cells = [
+        cells = (
             cell(
                 v[x]["instructions_s_per_step"].get(name),
                 v[x].get("instructions_cpu_s_per_step", {}).get(name),
             )
             for x in PROFILE_VARIANTS
-        ]
-        rows.append(f"| {name} | " + " | ".join(cells) + " |")
-    rows.append(
-        "| outside the schedule | "
-        + " | ".join(
-            cell(v[x]["outside_s_per_step"], v[x].get("outside_cpu_s_per_step"))
-            for x in PROFILE_VARIANTS
         )
-        + " |"
+        rows.append(row(name, cells))
+    outside = (
+        cell(v[x]["outside_s_per_step"], v[x].get("outside_cpu_s_per_step"))
+        for x in PROFILE_VARIANTS
     )
-    rows.append(
-        "| step (measured ranks' mean) | "
-        + " | ".join(f"{v[x].get('step_s', 0.0) * 1000:.1f}" for x in PROFILE_VARIANTS)
-        + " |"
-    )
-    rows.append(
-        "| step CPU, all ranks | "
-        + " | ".join(
-            f"{v[x].get('step_cpu_s_all_ranks', 0.0) * 1000:.1f}" for x in PROFILE_VARIANTS
-        )
-        + " |"
-    )
+    rows.append(row("outside the schedule", outside))
+    steps = [v[x].get("step_s", 0.0) for x in PROFILE_VARIANTS]
+    cpus = [v[x].get("step_cpu_s_all_ranks", 0.0) for x in PROFILE_VARIANTS]
+    rows.append(row("step (measured ranks' mean)", map(ms, steps)))
+    rows.append(row("step CPU, all ranks", map(ms, cpus)))
     cores = report.get("cores")
     if cores:
-        rows.append(
-            f"| idle core time ({cores} cores x step - CPU) | "
-            + " | ".join(
-                f"{(cores * v[x].get('step_s', 0.0) - v[x].get('step_cpu_s_all_ranks', 0.0)) * 1000:.1f}"
-                for x in PROFILE_VARIANTS
-            )
-            + " |"
-        )
-    rows.append(
-        "| step (the run's median) | "
-        + " | ".join(f"{v[x]['step_time_s'] * 1000:.1f}" for x in PROFILE_VARIANTS)
-        + " |"
-    )
+        idle = (ms(cores * step - cpu) for step, cpu in zip(steps, cpus, strict=True))
+        rows.append(row(f"idle core time ({cores} cores x step - CPU)", idle))
+    rows.append(row("step (the run's median)", (ms(v[x]["step_time_s"]) for x in PROFILE_VARIANTS)))
     return "\n".join(rows)
