@@ -31,9 +31,9 @@ def sq_norm(grad: torch.Tensor) -> torch.Tensor:
     Why rows: a float64 copy of the whole gradient (``grad.double().pow(2).sum()``) cost
     65 ms for gpt2-big's 12M elements here, a third of a rank's optimizer step, against
     3 ms in rows; a float32 norm of the whole tensor in one reduction is as fast but off by
-    1e-4. The float32
-    norm of a 4096-element row is accurate to float32's precision, and the rows' squares
-    add in float64: within 1e-8 of the float64 sum on tensors of gpt2-big's sizes.
+    1e-4. The float32 norm of a 4096-element row is accurate to float32's precision, and
+    the rows' squares add in float64: within 1e-8 of the float64 sum on tensors of
+    gpt2-big's sizes.
     """
     flat = grad.detach().reshape(-1)
     n = flat.numel()
