@@ -71,6 +71,10 @@ and reaps its machine's workers on the coordinator's orders.
   and exits; started again, it joins as a new machine.
 - ``agent-leaving/<m>`` (:func:`agent_leaving_key`): m's agent got a preemption notice; no
   worker is started there any more. Written by the agent.
+- ``agent-done/<m>`` (:func:`agent_done_key`): m's agent has no worker left and exits (the
+  job ended, or it was leaving). Written by the agent as its last word; the coordinator
+  keeps the store up until every agent it can still hear has said it, since an agent that
+  finds the store gone cannot tell a job that ended from a coordinator that crashed.
 
 Every value but counters and ``pg/<g>`` is sealed with the job token (``spotline.auth``).
 """
@@ -128,6 +132,7 @@ KEY_PREFIXES = (
     "admit",
     "fenced",
     "agent-leaving",
+    "agent-done",
 )
 """The first component of every key with a ``/`` (tests check that no other module spells one)."""
 
@@ -239,6 +244,10 @@ def fenced_key(machine: str) -> str:
 
 def agent_leaving_key(machine: str) -> str:
     return f"agent-leaving/{machine}"
+
+
+def agent_done_key(machine: str) -> str:
+    return f"agent-done/{machine}"
 
 
 # -- messages ------------------------------------------------------------------------------

@@ -59,6 +59,7 @@ from spotline.protocol import (
     MachineInfo,
     Order,
     admit_key,
+    agent_done_key,
     agent_heartbeat_key,
     agent_leaving_key,
     exit_key,
@@ -222,9 +223,11 @@ class Agent:
             if code is not None:
                 store.set(exit_key(w), str(code))
                 self.reported.add(w)
-        if self.live():
+        if self.live() or not (self.leaving or store.check([JOB_END_KEY])):
             return True
-        return not (self.leaving or store.check([JOB_END_KEY]))
+        # The last word: the coordinator holds its store up until it has read this.
+        store.set(agent_done_key(name), "1")
+        return False
 
     def wait_for_news(self) -> None:
         """Sleep until the next heartbeat is due, or sooner: a connection to the liveness

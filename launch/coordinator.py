@@ -566,7 +566,14 @@ class Coordinator:
 
     def _end_agents(self) -> None:
         """The job is over: every agent exits once its workers have."""
-        self.supervisor.machines.end_job()
+        unheard = self.supervisor.machines.end_job()
+        if unheard:
+            print(
+                f"spotline: the agent(s) of {', '.join(unheard)} did not confirm the job's end; "
+                "they will stop on their own once they find the coordinator gone",
+                file=sys.stderr,
+                flush=True,
+            )
         if self.local_agent is not None:
             try:
                 self.local_agent.wait(timeout=AGENT_EXIT_WAIT_S)

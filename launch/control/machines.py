@@ -30,6 +30,7 @@ from spotline.protocol import (
     Order,
     Signal,
     admit_key,
+    agent_done_key,
     agent_heartbeat_key,
     agent_leaving_key,
     exit_key,
@@ -40,6 +41,11 @@ from spotline.protocol import (
 )
 
 POLL_S = 0.02
+# The job's end waits this long at most for the agents to say they are done (each answers
+# within a heartbeat of its workers' exit, which the coordinator has already waited for),
+# and not for one whose heartbeat stood still for END_QUIET_S (thirty missed beats).
+END_LIMIT_S = 30.0
+END_QUIET_S = 3.0
 # Registrations read ahead of the first undecided one: a counter bumped by someone without
 # the token (a number cannot be sealed) must not make each refresh scan without end.
 SCAN_AHEAD = 64
@@ -195,9 +201,36 @@ class Machines:
         self.order(machine, Order.start(worker, module, tuple(argv)))
         return AgentProcess(worker, machine, self)
 
-    def end_job(self) -> None:
-        """Every agent exits once its workers have."""
+    def end_job(self, limit_s: float = END_LIMIT_S) -> list[str]:
+        """Every agent exits once its workers have. Returns once each agent that can still
+        be heard has said so (``agent-done/<m>``), or after ``limit_s``: the store must
+        outlive the agents' last read of it (a TCPStore goes with this process, an etcd
+        job's keys are deleted next), or an agent finding it gone would take the job's end
+        for a lost coordinator. An agent whose heartbeat stood still for END_QUIET_S is
+        not waited for. Returns the machines that did not say it."""
         self.store.set(JOB_END_KEY, "1")
+        agents = [m for m in self.joined if m not in self.lost]
+        for m in agents:
+            self._pokes.poke(self.joined[m].address, self.joined[m].probe_port)
+        start = time.monotonic()
+        # Per agent still waited for: its last heartbeat as stored, and when it changed.
+        waiting = {m: (self._beat(m), start) for m in agents}
+        while waiting and time.monotonic() - start < limit_s:
+            time.sleep(POLL_S)
+            now = time.monotonic()
+            for m, (beat, since) in list(waiting.items()):
+                if self.store.check([agent_done_key(m)]):
+                    del waiting[m]
+                elif (new := self._beat(m)) != beat:
+                    waiting[m] = (new, now)
+                elif now - since > END_QUIET_S:
+                    del waiting[m]  # gone quiet: killed, or cut off
+        return [m for m in agents if not self.store.check([agent_done_key(m)])]
+
+    def _beat(self, machine: str) -> bytes | None:
+        """The agent's heartbeat as stored (compared, never read as a time)."""
+        key = agent_heartbeat_key(machine)
+        return self.store.inner.get(key) if self.store.inner.check([key]) else None
 
 
 def _claimed_name(raw: bytes) -> str:
