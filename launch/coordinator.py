@@ -430,6 +430,7 @@ class Coordinator:
             elastic=True,
             machines={w: self.supervisor.machine_of(w) for w in ids},
             capacity=self.cfg.capacity,
+            sharded=planner.sharded,
         )
         if planner.layout is None:
             # Fewer starting workers than the model needs within redundancy.stages_per_worker

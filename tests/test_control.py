@@ -18,6 +18,7 @@ from spotline.launch.control.checkpoints import CheckpointCommits
 from spotline.launch.control.metrics import RunMetrics
 from spotline.launch.control.recovery import POLICIES, Planner
 from spotline.plan.layout import WorkerReport, initial_layout, member_holdings
+from spotline.plan.placement import exposures
 from spotline.protocol import Plan, entry_key, plan_key
 
 
@@ -280,3 +281,33 @@ def test_too_few_survivors_for_the_memory_limit_wait_with_the_state_kept(tmp_pat
             assert plan.layout is not None and loop.waits == 0
             assert plan.layout.groups == ((0, 1, 2, 3),) and plan.resume_step == 5
             assert "waiting-for-capacity" not in kinds and metrics.fallbacks == 0
+
+
+def test_sharded_replicas_are_placed_so_that_no_machine_loss_loses_a_stage(tmp_path: Path) -> None:
+    """Machines m0 (1 slot), m1 (3), m2 (2), 2 stages x 2 pipelines with sharded replicas; m0
+    is lost. Placed by the full replicas' rule, m1 would run both owners of stage 0 and a
+    shard holder of it (losing m1 would lose stage 0); the planner places for the shards."""
+    cfg = parse_config(
+        small_config(
+            topology={"stages": 2, "workers": 4},
+            redundancy={"mode": "lazy", "replica": "sharded"},
+        )
+    )
+    planner, store, _ = _planner(cfg, tmp_path)
+    assert planner.sharded
+    machines = {"m0s0": "m0", **{f"m1s{k}": "m1" for k in range(3)}}
+    machines |= {f"m2s{k}": "m2" for k in range(2)}
+    first = initial_layout(2, 2, list(machines), elastic=True, machines=machines, sharded=True)
+    assert first is not None and exposures(first, machines, sharded=True) == ()
+    planner.layout = first
+    held = member_holdings(first, 5, replicas=True, sharded=True)
+    survivors = [
+        WorkerReport(w, held.get(w, ()), first.slot_of(w) if w in held else None, m)
+        for w, m in machines.items()
+        if m != "m0"
+    ]
+    POLICIES["failover"].recover(planner, survivors, reached=6, ready_t=0.0)
+    plan = Plan.decode(store.get(plan_key(1)))
+    assert plan.action == "train" and plan.layout is not None
+    assert exposures(plan.layout, machines, sharded=True) == ()
+    assert exposures(plan.layout, machines) == ()  # safe for full replicas as well

@@ -14,11 +14,12 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from spotline.plan.layout import (
+    Committed,
     FatalLoss,
     GenerationPlan,
     Layout,
     WorkerReport,
-    committed_state,
+    committed_holders,
     initial_layout,
     member_holdings,
     plan_generation,
@@ -43,12 +44,35 @@ def holder_machines(layout: Layout, machines: dict[str, str]) -> dict[int, set[s
     }
 
 
+def lost_with_one_machine(layout: Layout, machines: dict[str, str], *, sharded: bool) -> set[int]:
+    """The logical stages some one machine's loss would lose, from what the members really
+    hold (``member_holdings``): a stage survives in a member holding it whole, or in every
+    shard of one count, each in a member that survives. Independent of ``exposures``."""
+    held = member_holdings(layout, 1, replicas=True, sharded=sharded)
+    lost = set()
+    for machine in set(machines.values()):
+        alive = [hs for w, hs in held.items() if machines[w] != machine]
+        for s in range(layout.num_stages):
+            parts = [h for hs in alive for h in hs if h.stage == s]
+            if any(h.whole for h in parts):
+                continue
+            counts = {h.shards for h in parts}
+            if not any({h.shard for h in parts if h.shards == n} == set(range(n)) for n in counts):
+                lost.add(s)
+    return lost
+
+
 def reports_after(
-    layout: Layout, machines: dict[str, str], lost_machines: set[str], arrivals: dict[str, str]
+    layout: Layout,
+    machines: dict[str, str],
+    lost_machines: set[str],
+    arrivals: dict[str, str],
+    *,
+    sharded: bool = False,
 ) -> list[WorkerReport]:
     """What the coordinator gathers after whole machines are preempted: the surviving members
     with what they hold, the standbys and the arrivals empty, every one with its machine."""
-    held = member_holdings(layout, 7, replicas=True)
+    held = member_holdings(layout, 7, replicas=True, sharded=sharded)
     alive = [w for w in layout.members if machines[w] not in lost_machines]
     return (
         [WorkerReport(w, held[w], layout.slot_of(w), machines[w]) for w in alive]
@@ -177,9 +201,12 @@ def _multiset_permutations(counts: dict[str, int]) -> Iterator[tuple[str, ...]]:
 
 
 @functools.cache
-def _safe_exists(counts: tuple[tuple[str, int], ...], num_physical: int, pipelines: int) -> bool:
+def _safe_exists(
+    counts: tuple[tuple[str, int], ...], num_physical: int, pipelines: int, sharded: bool = False
+) -> bool:
     """Brute force, independent of the planner's reasoning: some arrangement of machines over
-    the slots leaves no stage's copies (from ``member_holdings``) on one machine."""
+    the slots leaves no stage's copies (from ``member_holdings``) on one machine (``sharded``:
+    no stage lost with one machine, :func:`lost_with_one_machine`)."""
     groups = tuple((s,) for s in range(num_physical))
     for labels in _multiset_permutations(dict(counts)):
         names = [f"{m}#{i}" for i, m in enumerate(labels)]
@@ -189,7 +216,10 @@ def _safe_exists(counts: tuple[tuple[str, int], ...], num_physical: int, pipelin
         )
         layout = Layout(num_physical, pipelines, groups, slots)
         machines = {n: n.split("#")[0] for n in names}
-        if all(len(on) >= 2 for on in holder_machines(layout, machines).values()):
+        if sharded:
+            if not lost_with_one_machine(layout, machines, sharded=True):
+                return True
+        elif all(len(on) >= 2 for on in holder_machines(layout, machines).values()):
             return True
     return False
 
@@ -202,6 +232,7 @@ def _safe_exists(counts: tuple[tuple[str, int], ...], num_physical: int, pipelin
     lost=st.sets(st.integers(0, 3)),
     arrivals=st.lists(st.integers(0, 4), max_size=2),
     elastic=st.booleans(),
+    sharded=st.booleans(),
 )
 def test_the_planner_places_safely_whenever_it_can_and_reports_exposure_otherwise(
     num_stages: int,
@@ -210,47 +241,59 @@ def test_the_planner_places_safely_whenever_it_can_and_reports_exposure_otherwis
     lost: set[int],
     arrivals: list[int],
     elastic: bool,
+    sharded: bool,
 ) -> None:
     machines = cluster(*slots)
-    first = initial_layout(num_stages, num_pipelines, list(machines), machines=machines)
+    first = initial_layout(
+        num_stages, num_pipelines, list(machines), machines=machines, sharded=sharded
+    )
     if first is None:
         return
     event(
         f"the planner re-placed rank order: {first != initial_layout(num_stages, num_pipelines, list(machines))}"
     )
     members = first.members + first.standby
-    _check(first, machines, [WorkerReport(w, machine=machines[w]) for w in members], {})
+    reports = [WorkerReport(w, machine=machines[w]) for w in members]
+    _check(first, machines, reports, None, sharded=sharded)
     # Whole machines preempted, arrivals (on old or new machines) join.
     new = {f"a{i}": f"m{m}" for i, m in enumerate(arrivals)}
     everyone = {**machines, **new}
-    reports = reports_after(first, machines, {f"m{i}" for i in lost}, new)
-    result = plan_generation(1, num_stages, num_pipelines, reports, elastic=elastic)
+    reports = reports_after(first, machines, {f"m{i}" for i in lost}, new, sharded=sharded)
+    result = plan_generation(
+        1, num_stages, num_pipelines, reports, elastic=elastic, sharded=sharded
+    )
     if isinstance(result, FatalLoss) or result.layout is None:
         return
-    assert result.exposed == exposures(result.layout, everyone)
-    state = committed_state(reports, num_stages)
+    assert result.exposed == exposures(result.layout, everyone, sharded=sharded)
+    state = committed_holders(reports, num_stages)
     assert not isinstance(state, FatalLoss)
-    _check(result.layout, everyone, reports, state[1])
+    _check(result.layout, everyone, reports, state, sharded=sharded)
 
 
 def _check(
     layout: Layout,
     machines: dict[str, str],
     reports: list[WorkerReport],
-    usable: dict[int, list[str]],
+    state: Committed | None,
+    *,
+    sharded: bool,
 ) -> None:
     """The layout is exposed only where no choice of members (each stage keeping a member
-    source) and no arrangement of them over the layout's shape avoids it."""
-    exposed = exposures(layout, machines)
+    source: one holding it whole, or every holder of its shards) and no arrangement of them
+    over the layout's shape avoids it."""
+    exposed = exposures(layout, machines, sharded=sharded)
     alive = [r.worker for r in reports]
     assert sorted([*layout.members, *layout.standby]) == sorted(alive)
     size = len(layout.members)
     possible = False
     for chosen in itertools.combinations(alive, size):
-        if usable and not all(set(ws) & set(chosen) for ws in usable.values()):
+        if state is not None and not all(
+            set(state.shards[s]) <= set(chosen) if s in state.shards else set(ws) & set(chosen)
+            for s, ws in state.usable.items()
+        ):
             continue
         counts = tuple(sorted(Counter(machines[w] for w in chosen).items()))
-        if _safe_exists(counts, layout.num_physical_stages, layout.num_pipelines):
+        if _safe_exists(counts, layout.num_physical_stages, layout.num_pipelines, sharded):
             possible = True
             break
     event(f"a safe placement exists: {possible}")
@@ -275,13 +318,23 @@ def test_the_bound_on_the_most_crowded_machine_is_exact() -> None:
             size = num_physical * pipelines
             if size > 10:
                 continue
-            for part in _partitions(size, size):
+            for part, sharded in itertools.product(_partitions(size, size), (False, True)):
                 machines = cluster(*part)
                 counts = Counter(machines.values())
-                brute = _safe_exists(tuple(sorted(counts.items())), num_physical, pipelines)
-                assert can_place(counts, num_physical, pipelines) == brute, (num_physical, part)
+                shape = (num_physical, pipelines, sharded)
+                brute = _safe_exists(tuple(sorted(counts.items())), *shape)
+                assert can_place(counts, num_physical, pipelines, sharded=sharded) == brute, (
+                    shape,
+                    part,
+                )
                 names = list(machines)
                 for order in (names, names[::-1], sorted(names, key=lambda w: w[::-1])):
-                    layout = initial_layout(num_physical, pipelines, order, machines=machines)
+                    layout = initial_layout(
+                        num_physical, pipelines, order, machines=machines, sharded=sharded
+                    )
                     assert layout is not None
-                    assert (exposures(layout, machines) == ()) == brute, (layout, part)
+                    exposed = exposures(layout, machines, sharded=sharded)
+                    assert (exposed == ()) == brute, (layout, part, sharded)
+                    # The check agrees with what one machine's loss really loses.
+                    lost = lost_with_one_machine(layout, machines, sharded=sharded)
+                    assert {e.stage for e in exposed} == lost, (layout, part, sharded)

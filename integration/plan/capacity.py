@@ -18,6 +18,13 @@ What the runtime keeps beyond that: a worker running ``C`` stages still holds it
 successor's replica (the ring of replicas is uniform), in host memory with the default
 ``spotline.redundancy.replica_device`` ("host"); that replica is not counted.
 
+Sharded replicas (``spotline.redundancy.replica: "sharded"``) keep ``1/D`` of the
+successor's state in the steady state, but the rule counts the replica as the whole stage
+all the same, on purpose: the place exists for the takeover, and a takeover runs the whole
+stage there (assembled from the shards), so a worker still needs room for its stage and its
+successor's. What sharding saves is steady-state memory below that room (model state
+``1 + 1/D`` of off's instead of 2x), not a stage of capacity.
+
 Which shapes fit: ``n`` physical stages cut the ``S`` logical stages into ``n`` contiguous
 groups, and some grouping has every group at most ``C`` exactly when ``S <= n * C``
 (:meth:`Capacity.allows`); the fewest physical stages are ``ceil(S / C)``.

@@ -262,13 +262,21 @@ def initial_layout(
     elastic: bool = False,
     machines: Mapping[str, str] | None = None,
     capacity: Capacity | None = None,
+    sharded: bool = False,
 ) -> Layout | None:
     """Generation 0: pipeline p stage s on ``workers[p * S + s]``; extras stand by (placed
-    by machine instead where that order would leave a stage's copies on one machine).
-    None: too few workers (for the pipelines, or to hold the model within ``capacity``)."""
+    by machine instead where that order would leave a stage's copies on one machine;
+    ``sharded``: the replicas are sharded). None: too few workers (for the pipelines, or to
+    hold the model within ``capacity``)."""
     reports = [WorkerReport(w, machine=machines[w] if machines else None) for w in workers]
     return choose_layout(
-        num_stages, num_pipelines, reports, usable={}, elastic=elastic, capacity=capacity
+        num_stages,
+        num_pipelines,
+        reports,
+        usable={},
+        elastic=elastic,
+        capacity=capacity,
+        sharded=sharded,
     )
 
 
@@ -367,15 +375,17 @@ def choose_layout(
     elastic: bool = False,
     capacity: Capacity | None = None,
     shards: Mapping[int, tuple[str, ...]] | None = None,
+    sharded: bool = False,
 ) -> Layout | None:
     """Pick groups and an assignment that move the least state (see the module rules).
 
     ``usable`` must be coverable by the layout's members (every caller but
     :func:`plan_generation`, which reports the contrary as a :class:`FatalLoss`, passes
     nothing usable or every stage on every worker). ``shards``: stages held only in shards
-    (:class:`Committed`), whose every shard holder must be a member. None: too few workers
-    for the pipelines or, with a ``capacity``, to hold the model within it
-    (``Capacity.fewest_workers``)."""
+    (:class:`Committed`), whose every shard holder must be a member. ``sharded``: the
+    replicas are sharded (placed so that no machine holds a stage's owners and one of its
+    shard holders, where possible). None: too few workers for the pipelines or, with a
+    ``capacity``, to hold the model within it (``Capacity.fewest_workers``)."""
     layout = _choose_layout(
         num_stages,
         num_pipelines,
@@ -384,6 +394,7 @@ def choose_layout(
         elastic=elastic,
         capacity=capacity,
         shards=shards,
+        sharded=sharded,
     )
     assert not isinstance(layout, FatalLoss), layout.reason
     return None if isinstance(layout, _Short) else layout
@@ -398,6 +409,7 @@ def _choose_layout(
     elastic: bool,
     capacity: Capacity | None = None,
     shards: Mapping[int, tuple[str, ...]] | None = None,
+    sharded: bool = False,
 ) -> Layout | FatalLoss | _Short | None:
     shards = shards or {}
     workers = [r.worker for r in reports]
@@ -431,7 +443,7 @@ def _choose_layout(
     said = _machines(reports)
     if said is None:
         return best[1]
-    return place(best[1], said, usable, previous, workers, shards)
+    return place(best[1], said, usable, previous, workers, shards, sharded=sharded)
 
 
 def _machines(reports: Sequence[WorkerReport]) -> dict[str, str] | None:
@@ -601,6 +613,7 @@ def plan_generation(
         elastic=elastic,
         capacity=capacity,
         shards=shards,
+        sharded=sharded,
     )
     if isinstance(layout, FatalLoss):
         return layout

@@ -18,6 +18,18 @@ stage is exposed exactly when its copies' columns are all one machine ("monochro
 - ``n = 2``: both columns monochrome in one machine (every member holds every stage);
 - ``n >= 3``: two cyclically adjacent columns monochrome in the same machine.
 
+With sharded replicas over ``P >= 2`` pipelines (:func:`copy_sets`) a stage's replica
+holders are one copy between them, lost with any one of them: the stage of column ``j`` is
+exposed on a machine that holds all of column ``j`` and any slot of column ``j - 1``. Such a
+placement exists exactly when no machine runs more than ``n * (P - 1)`` members. Needed: a
+machine M running ``c = n * (P - 1) + k`` members, ``k >= 1``, has at least ``k`` columns
+all its own; each needs its predecessor column free of M (a different column for each, and
+not one of them), so M runs at most ``k * P + (n - 2k) * (P - 1) = n * (P - 1) + k * (2 - P)
+< c`` members: a contradiction. Enough: :func:`_deal` gives M a run of ``c <= n * (P - 1)``
+positions from the first, which leaves the last row free of M, and every other machine a
+run no longer than M's; a column in every row takes a run of ``(P - 1) * n + 1``, so no
+column is any one machine's.
+
 When a placement without exposure exists (:func:`max_on_one_machine`): a machine running
 ``c`` of the ``N = n * P`` members leaves ``N - c`` others, so at least
 ``k = c - n * (P - 1)`` columns are monochrome in it; they must be pairwise non-adjacent:
@@ -129,18 +141,27 @@ def exposures(
     return tuple(found)
 
 
-def max_on_one_machine(num_physical: int, num_pipelines: int) -> int:
-    """The most members one machine may run for a placement without exposure to exist (the
-    module docstring proves the bound)."""
+def max_on_one_machine(num_physical: int, num_pipelines: int, *, sharded: bool = False) -> int:
+    """The most members one machine may run for a placement without exposure to exist, with
+    full replicas or ``sharded`` ones (the module docstring proves both bounds)."""
     assert num_physical >= 1 and num_pipelines >= 1
+    if sharded and num_pipelines >= 2:
+        return num_physical * (num_pipelines - 1)
     non_adjacent = 0 if num_physical == 1 else 1 if num_physical == 2 else num_physical // 2
     return num_physical * (num_pipelines - 1) + non_adjacent
 
 
-def can_place(machine_counts: Mapping[str, int], num_physical: int, num_pipelines: int) -> bool:
+def can_place(
+    machine_counts: Mapping[str, int],
+    num_physical: int,
+    num_pipelines: int,
+    *,
+    sharded: bool = False,
+) -> bool:
     """Whether members on machines with these counts can be placed with no stage exposed."""
     assert sum(machine_counts.values()) == num_physical * num_pipelines
-    return max(machine_counts.values()) <= max_on_one_machine(num_physical, num_pipelines)
+    most = max_on_one_machine(num_physical, num_pipelines, sharded=sharded)
+    return max(machine_counts.values()) <= most
 
 
 def place(
@@ -150,8 +171,11 @@ def place(
     previous: Mapping[str, tuple[int, int] | None],
     workers: Sequence[str],
     shards: Mapping[int, Sequence[str]] | None = None,
+    *,
+    sharded: bool = False,
 ) -> Layout:
-    """``layout`` (the planner's choice by state moved) re-placed so that no stage is exposed.
+    """``layout`` (the planner's choice by state moved) re-placed so that no stage is exposed
+    (with full replicas, or ``sharded`` ones: :func:`exposures`).
 
     Unchanged when it exposes nothing, or when no placement can (one machine, or too few
     machines for the shape, even with standbys swapped in): the caller reports the exposure.
@@ -161,12 +185,8 @@ def place(
     takes the worker that lacks the fewest of its stages, then the one that ran it before,
     then worker order; of the ``n`` rotations of the columns (all as safe) the one moving
     the least state wins. ``shards``: stages held only in shards, every holder of which
-    stays a member (never swapped out).
-
-    The rule is Bamboo's full replicas' (:func:`exposures` without ``sharded``): a
-    placement safe for them may still leave a stage with sharded replicas exposed (its
-    owners on one machine with one of its shard holders); the plan reports that."""
-    if len({machines[w] for w in workers}) < 2 or not exposures(layout, machines):
+    stays a member (never swapped out)."""
+    if len({machines[w] for w in workers}) < 2 or not exposures(layout, machines, sharded=sharded):
         return layout
     num_physical, num_pipelines = layout.num_physical_stages, layout.num_pipelines
     order = {w: i for i, w in enumerate(workers)}
@@ -178,7 +198,7 @@ def place(
     whole = {s: ws for s, ws in held.items() if s not in shards}
     members = list(layout.members)
     standby = list(layout.standby)
-    limit = max_on_one_machine(num_physical, num_pipelines)
+    limit = max_on_one_machine(num_physical, num_pipelines, sharded=sharded)
     while True:
         counts = Counter(machines[w] for w in members)
         crowded, most = max(counts.items(), key=lambda mc: mc[1])
@@ -224,7 +244,7 @@ def place(
     placed = dataclasses.replace(
         layout, slots=best[1], standby=tuple(sorted(standby, key=order.__getitem__))
     )
-    assert not exposures(placed, machines), (placed, exposures(placed, machines))
+    assert not exposures(placed, machines, sharded=sharded), (placed, machines)
     return placed
 
 

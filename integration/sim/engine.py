@@ -771,6 +771,7 @@ class _RuntimePlanner:
                 elastic=self.elastic,
                 machines=said,
                 capacity=self.capacity,
+                sharded=self.sharded,
             )
             self._plans[key] = None if layout is None else _Plan.of(layout)
         planned = self._plans[key]

@@ -268,7 +268,9 @@ class Planner:
         )
         if isinstance(result, FatalLoss) and never_trained:
             # Nothing was trained yet: every worker builds the initial weights itself.
-            layout = choose_layout(S, P, reports, usable={}, elastic=True, capacity=capacity)
+            layout = choose_layout(
+                S, P, reports, usable={}, elastic=True, capacity=capacity, sharded=self.sharded
+            )
             self._include_all(reports, g)
             self.layout = layout
             self.publish(g, self.plan("train", layout, 0, {}, []))
@@ -396,7 +398,13 @@ class Planner:
         if step is None:
             # No checkpoint yet: the only consistent state is the start.
             layout = choose_layout(
-                S, P, everyone, usable={}, elastic=True, capacity=self.cfg.capacity
+                S,
+                P,
+                everyone,
+                usable={},
+                elastic=True,
+                capacity=self.cfg.capacity,
+                sharded=self.sharded,
             )
             self.metrics.steps_redone += reached
             self.layout, self.resume_step = layout, 0
@@ -412,7 +420,13 @@ class Planner:
         else:
             usable = {s: [r.worker for r in reports] for s in range(S)}
             layout = choose_layout(
-                S, P, everyone, usable=usable, elastic=True, capacity=self.cfg.capacity
+                S,
+                P,
+                everyone,
+                usable=usable,
+                elastic=True,
+                capacity=self.cfg.capacity,
+                sharded=self.sharded,
             )
             self.metrics.steps_redone += max(0, reached - step)
             self.layout, self.resume_step = layout, step
