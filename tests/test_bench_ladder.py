@@ -3,6 +3,7 @@ rung overrides, spreads over rounds, the ladder table, model-state bytes by stor
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -52,6 +53,24 @@ def test_round_ratios_pair_interleaved_rounds() -> None:
     s = jobs.spread(ratios)
     assert (s["min"], s["median"], s["max"]) == (1.0, 3.3 / 3.0, 2.0)
     assert jobs.format_spread(s) == "1.100 (1.000-2.000)"
+
+
+def test_the_median_interval_is_the_narrowest_order_statistic_pair_of_90_percent() -> None:
+    def level(n: int, k: int) -> float:  # P(k <= rounds below the median <= n - k)
+        return sum(math.comb(n, i) for i in range(k, n - k + 1)) / 2**n
+
+    for n in range(1, 25):
+        values = [10.0 + i for i in range(n)][::-1]  # any order
+        low, high, got = jobs.median_interval(values)
+        k = int(low - 10.0) + 1
+        assert high == 10.0 + n - k and got == level(n, k), n
+        if n >= 5:
+            assert got >= jobs.MEDIAN_LEVEL > level(n, k + 1), n
+        else:  # too few rounds for 90%: the whole range, at what it is worth
+            assert (low, high) == (10.0, 10.0 + n - 1), n
+    assert jobs.median_interval([1.0] * 8 + [5.0] * 4)[:2] == (1.0, 5.0)
+    s = jobs.spread([1.03, 0.95, 1.07, 1.01, 1.02, 1.04, 0.99, 1.05])
+    assert jobs.format_median_interval(s) == "0.990-1.050 at 93%"
 
 
 def test_the_ladder_table_has_a_row_per_rung_and_headline(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from spotline.launch.bench.jobs import (
     BenchSettings,
+    format_median_interval,
     format_spread,
     machine_info,
     median_per_rank,
@@ -158,6 +159,8 @@ def format_foundation(report: dict[str, Any]) -> str:
     spread_line = (
         "Step time over stock round by round, median (min-max): Spotline "
         f"{format_spread(report['spread']['step_time_s'])}, redundancy off "
-        f"{format_spread(report['spread']['off_step_time_s'])}"
+        f"{format_spread(report['spread']['off_step_time_s'])}; the median's confidence "
+        f"interval: Spotline {format_median_interval(report['spread']['step_time_s'])}, "
+        f"redundancy off {format_median_interval(report['spread']['off_step_time_s'])}"
     )
     return "\n".join([head, "", *rows, "", spread_line, "", f"Note: {report['note']}."])

@@ -12,6 +12,7 @@ benchmark module: every benchmark imports this one, never another benchmark's he
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import platform
 import re
@@ -71,9 +72,39 @@ def medians(runs: Sequence[dict[str, Any]], keys: Sequence[str]) -> dict[str, fl
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
-    """Min, median and max of one figure over rounds: what a ratio's noise looks like."""
+    """Min, median and max of one figure over rounds: what a ratio's noise looks like; and
+    where the median lies (:func:`median_interval`)."""
     assert values, "a spread of no rounds"
-    return {"min": min(values), "median": median(values), "max": max(values)}
+    low, high, level = median_interval(values)
+    return {
+        "min": min(values),
+        "median": median(values),
+        "max": max(values),
+        "median_low": low,
+        "median_high": high,
+        "median_level": level,
+    }
+
+
+MEDIAN_LEVEL = 0.9
+"""The confidence asked of :func:`median_interval` (given when the rounds allow it)."""
+
+
+def median_interval(values: Sequence[float]) -> tuple[float, float, float]:
+    """A distribution-free confidence interval for the median of the rounds' distribution,
+    from order statistics: ``[x(k), x(n+1-k)]`` of the ``n`` sorted values covers the median
+    with probability ``1 - 2 P(B < k)``, ``B ~ Binomial(n, 1/2)`` (each round falls below the
+    median with probability 1/2, whatever the noise's shape). The narrowest such interval of
+    at least MEDIAN_LEVEL, or ``[min, max]`` when the rounds are too few for it; returns its
+    ends and its exact level. A round's ratio moves with the host (the min-max spread never
+    narrows), but this interval narrows with more rounds: it says what the median claims."""
+    ordered = sorted(values)
+    n = len(ordered)
+    below = [math.comb(n, i) / 2**n for i in range(n + 1)]
+    k = 1
+    while k + 1 <= n + 1 - (k + 1) and 1 - 2 * sum(below[: k + 1]) >= MEDIAN_LEVEL:
+        k += 1
+    return ordered[k - 1], ordered[n - k], 1 - 2 * sum(below[:k])
 
 
 def round_ratios(
@@ -90,6 +121,11 @@ def round_ratios(
 def format_spread(s: dict[str, float], fmt: str = ".3f") -> str:
     """``1.021 (1.004-1.050)``: the median, then the min and max over rounds."""
     return f"{s['median']:{fmt}} ({s['min']:{fmt}}-{s['max']:{fmt}})"
+
+
+def format_median_interval(s: dict[str, float], fmt: str = ".3f") -> str:
+    """``1.010-1.030 at 93%``: where the median lies (:func:`median_interval`)."""
+    return f"{s['median_low']:{fmt}}-{s['median_high']:{fmt}} at {s['median_level']:.0%}"
 
 
 def interleaved(variants: Sequence[str], repeats: int) -> list[tuple[int, str]]:
