@@ -47,6 +47,8 @@ class RawStore(Protocol):
 
     def add(self, key: str, value: int) -> int: ...
 
+    def num_keys(self) -> int: ...
+
 
 class ForgedValue(LookupError):
     """A value whose seal does not verify with this job's token."""
@@ -141,6 +143,18 @@ class AuthStore:
         if not self.inner.check(keys):
             return False
         return all(self._open(k, self.inner.get(k)) is not None for k in keys)
+
+    def read(self, key: str) -> bytes | None:
+        """The value of ``key``, None if absent or forged: ``check`` then ``get`` in two
+        round trips instead of three (the coordinator reads every worker's keys many times
+        a second)."""
+        if not self.inner.check([key]):
+            return None
+        return self._open(key, self.inner.get(key))
+
+    def num_keys(self) -> int:
+        """How many keys the store holds: a key added anywhere changes it (one round trip)."""
+        return self.inner.num_keys()
 
     def add(self, key: str, value: int) -> int:
         return self.inner.add(key, value)

@@ -486,10 +486,14 @@ class ElasticWorker:
             os._exit(EXIT_COORDINATOR_LOST)
 
         timeout_s = self.cfg.spotline.recovery.heartbeat_timeout_s
+        interval_s = max(0.02, min(0.1, timeout_s / 10))
         self.heartbeat = Heartbeat(
             self.wid,
             connect,
-            interval_s=max(0.02, min(0.1, timeout_s / 10)),
+            interval_s=interval_s,
+            # A beat a second at most (five in the default 5 s timeout), the abort watch
+            # every interval_s.
+            beat_every=max(1, round(min(1.0, timeout_s / 5) / interval_s)),
             timeout_s=timeout_s,
             note=self._note,
             coordinator_lost=self.coordinator_lost,

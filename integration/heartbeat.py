@@ -43,6 +43,11 @@ class Heartbeat:
     # More work at each beat, on the beat's store (the worker's leaving flag, its
     # generation's abort watch); an exception in it counts as a failed beat.
     each_beat: Callable[[AuthStore], None] = lambda store: None
+    # The beat itself is written every ``beat_every`` turns of ``interval_s`` (each turn
+    # runs ``each_beat``): the coordinator needs a beat a second to tell a hung worker in
+    # seconds, the abort watch wants to be quick, and each write is a round trip the
+    # coordinator's store answers while the workers want the CPU.
+    beat_every: int = 1
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _thread: threading.Thread | None = field(default=None, init=False)
 
@@ -67,6 +72,7 @@ class Heartbeat:
         failing = False
         turn_t = time.monotonic()
         store_s = 0.0  # how long the last beat's store calls took
+        turn = 0
         while not self._stop.is_set():
             # A turn is a beat and a wait: what it took beyond the wait is its lateness,
             # the store's share of it apart (a slow store is another cause, and a remedy).
@@ -83,7 +89,9 @@ class Heartbeat:
                 if store is None:
                     store = self.connect()
                 store_t = time.monotonic()
-                store.set(heartbeat_key(self.worker), repr(time.time()))
+                if failing or turn % self.beat_every == 0:
+                    store.set(heartbeat_key(self.worker), repr(time.time()))
+                turn += 1
                 if failing:
                     self.note("heartbeat: the store takes beats again")
                     failing = False

@@ -33,7 +33,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from spotline.auth import AuthStore, job_token
 from spotline.checkpoint_manifest import read_metadata
@@ -66,6 +66,32 @@ from spotline.protocol import (
 HEARTBEAT_CHECK_S = 0.25
 # The longest pause between two turns of a generation's watch while nothing happens.
 IDLE_POLL_S = 0.1
+# The longest a quiet watch turn (Coordinator._quiet) defers a full one.
+FULL_TURN_S = 0.5
+
+
+class KeyCount(Protocol):
+    def num_keys(self) -> int: ...
+
+
+class QuietTurns:
+    """Which watch turns may be quiet: those that find the store's key count as the last
+    full turn left it, within FULL_TURN_S of that turn."""
+
+    def __init__(self, store: KeyCount, full_turn_s: float = FULL_TURN_S) -> None:
+        self.store = store
+        self.full_turn_s = full_turn_s
+        self._count = -1  # the key count the last full turn started from
+        self._full_t = -float("inf")
+
+    def quiet(self, now: float) -> bool:
+        count = self.store.num_keys()
+        if count == self._count and now - self._full_t < self.full_turn_s:
+            return True
+        # Counted before the full turn's reads: a key added during them is seen next turn.
+        self._count, self._full_t = count, now
+        return False
+
 
 if TYPE_CHECKING:
     from spotline.stores import StoreSpec
@@ -186,6 +212,7 @@ class Coordinator:
         # turns, where every max_progress() reads the store).
         self._turn_progress: int | None = None
         self._last_turn_progress = -1
+        self._quiet_turns = QuietTurns(self.store)
         self.failures_without_loss = 0
         # --resume: the stopped run's committed checkpoint the first generation restores.
         self.resume_from = resume_from
@@ -241,9 +268,9 @@ class Coordinator:
     def _read_progress(self) -> int:
         best = self.planner.resume_step
         for w in self.supervisor.live_ids():
-            key = progress_key(self.generation, w)
-            if self.store.check([key]):
-                best = max(best, int(self.store.get(key).decode()))
+            value = self.store.read(progress_key(self.generation, w))
+            if value is not None:
+                best = max(best, int(value.decode()))
                 if self.metrics.first_step_t is None:
                     self.metrics.first_step_t = time.monotonic()
         return best
@@ -740,7 +767,8 @@ class Coordinator:
         pause = POLL_S
         while True:
             changed = self._watch_workers(g)
-            if self._read_reports(g, expected, reports):
+            # A quiet turn (None) saw no key added: no report either.
+            if changed is not None and self._read_reports(g, expected, reports):
                 # Only a member's report means the generation has ended: a standby reports
                 # at once and must not start the clock on the members, who may rightly
                 # train for hours.
@@ -767,16 +795,20 @@ class Coordinator:
         self.generation_end_t = first_report_t
         return reports
 
-    def _watch_workers(self, g: int) -> bool:
+    def _watch_workers(self, g: int) -> bool | None:
         """One turn of generation ``g``'s watch: exits, heartbeats, the stall limit, faults,
         arrivals, a stop, checkpoint errors and commits, progress, departures. Whether a
-        worker exited or a new step started since the last turn."""
+        worker exited or a new step started since the last turn; None for a quiet turn
+        (:meth:`_quiet`), which only checks the heartbeats."""
         sup = self.supervisor
         if self.local_agent is not None and self.local_agent.poll() is not None:
             raise JobError(
                 f"the local agent exited ({self.local_agent.returncode}); see "
                 f"{self.output}/logs/agent.log"
             )
+        if self._quiet():
+            self._check_heartbeats()
+            return None
         self._use_new_machines()
         died = self.poll_workers()
         self._turn_progress = None
@@ -789,14 +821,29 @@ class Coordinator:
         self._last_turn_progress = progress
         return changed
 
-    def _watch_turn(self, sup: Supervisor) -> None:
-        """The rest of a watch turn, with the members' progress read once."""
+    def _quiet(self) -> bool:
+        """Whether this turn may skip everything but the heartbeats: no key was added to
+        the store since the last full turn (every event a turn looks for adds one: an exit,
+        a report, an abort, a departure, an arrival, a machine, a loss, an evaluation, a
+        checkpoint error), the last full turn is under FULL_TURN_S old (progress, stalls
+        and commits are read from overwritten keys), and nothing is due from this side (an
+        injected fault, a stop). One round trip instead of some 25: during steady training
+        most turns are quiet, and the workers of a small host get the CPU back."""
+        if not self.faults.quiet() or self.stop_requested:
+            return False
+        return self._quiet_turns.quiet(time.monotonic())
+
+    def _check_heartbeats(self) -> None:
         limit_s = self.sl.recovery.heartbeat_timeout_s
         if time.monotonic() - self.last_heartbeat_check >= min(HEARTBEAT_CHECK_S, limit_s / 10):
             # A heartbeat is seconds old before it counts as missed: a few checks a second
             # see it in time, at a tenth of the store traffic of one every turn.
             self.last_heartbeat_check = time.monotonic()
-            sup.check_heartbeats(limit_s)
+            self.supervisor.check_heartbeats(limit_s)
+
+    def _watch_turn(self, sup: Supervisor) -> None:
+        """The rest of a watch turn, with the members' progress read once."""
+        self._check_heartbeats()
         self._check_stalled()
         self.faults.deliver()
         self._admit_joiners()

@@ -42,6 +42,10 @@ def test_the_store_treats_forged_values_as_absent_and_says_which() -> None:
         store.get("plan/2")
     assert set(forged) == {"error/w1", "plan/2"}
     assert store.add("machines", 1) == 1  # counters pass through (a number has no seal)
+    # read: check and get in one call, a forged or absent value as None.
+    assert store.read("hb/w0") == b"12.5"
+    assert store.read("error/w1") is None and store.read("hb/w9") is None
+    assert store.num_keys() == inner.num_keys()
 
 
 def test_the_coordinator_token_is_written_once_private_and_kept(tmp_path: Path) -> None:

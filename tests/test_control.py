@@ -311,3 +311,20 @@ def test_sharded_replicas_are_placed_so_that_no_machine_loss_loses_a_stage(tmp_p
     assert plan.action == "train" and plan.layout is not None
     assert exposures(plan.layout, machines, sharded=True) == ()
     assert exposures(plan.layout, machines) == ()  # safe for full replicas as well
+
+
+def test_a_watch_turn_is_quiet_only_while_no_key_was_added_and_a_full_one_is_recent() -> None:
+    import torch.distributed as dist
+
+    from spotline.launch.coordinator import QuietTurns
+
+    store = dist.HashStore()  # a real c10d store: its key count is what the gate reads
+    turns = QuietTurns(store, full_turn_s=0.5)
+    assert not turns.quiet(now=0.0)  # the first turn is full
+    assert turns.quiet(now=0.1)
+    store.set("hb/w0", "1.0")  # a key added (an exit, a report, a loss...): full
+    assert not turns.quiet(now=0.2) and turns.quiet(now=0.3)
+    store.set("hb/w0", "2.0")  # overwritten (a heartbeat, a step's progress): still quiet
+    assert turns.quiet(now=0.6)
+    assert not turns.quiet(now=0.75)  # but never longer than full_turn_s after a full turn
+    assert turns.quiet(now=0.85)

@@ -120,3 +120,36 @@ def test_a_beat_held_back_by_the_gil_is_said_with_its_delay(server: dist.TCPStor
         assert late and "taken for a hung worker" in late[0], notes
     finally:
         heartbeat.stop()
+
+
+def test_the_beat_is_written_every_beat_every_turns_and_the_watch_runs_every_turn(
+    server: dist.TCPStore,
+) -> None:
+    turns: list[float] = []
+    beats: list[bytes] = []
+    reader = _client(server.port)
+
+    def each_beat(store: AuthStore) -> None:
+        beats.append(reader.get(heartbeat_key("w0")))  # the value this turn left
+        turns.append(time.monotonic())
+
+    heartbeat = Heartbeat(
+        "w0",
+        lambda: _client(server.port),
+        interval_s=0.01,
+        timeout_s=4.0,
+        note=lambda line: None,
+        coordinator_lost=lambda: False,
+        on_coordinator_lost=lambda: None,
+        each_beat=each_beat,
+        beat_every=4,
+    )
+    heartbeat.start()
+    try:
+        while len(turns) < 24:
+            time.sleep(0.02)
+    finally:
+        heartbeat.stop()
+    # Turn i leaves beat i // 4: a new value every fourth turn, from the first.
+    changes = [i for i in range(1, 24) if beats[i] != beats[i - 1]]
+    assert changes == list(range(4, 24, 4)), changes

@@ -65,9 +65,9 @@ class AgentProcess:
 
     def poll(self) -> int | None:
         if self.returncode is None:
-            key = exit_key(self.worker)
-            if self._machines.store.check([key]):
-                self.returncode = int(self._machines.store.get(key).decode())
+            code = self._machines.store.read(exit_key(self.worker))
+            if code is not None:
+                self.returncode = int(code.decode())
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
@@ -182,10 +182,8 @@ class Machines:
 
     def last_heartbeat(self, machine: str) -> float | None:
         """The agent's last heartbeat (``time.time()``), None if it never beat."""
-        key = agent_heartbeat_key(machine)
-        if not self.store.check([key]):
-            return None
-        return float(self.store.get(key).decode())
+        beat = self.store.read(agent_heartbeat_key(machine))
+        return None if beat is None else float(beat.decode())
 
     def order(self, machine: str, order: Order) -> None:
         assert machine in self.joined, f"no machine {machine!r} joined"

@@ -262,9 +262,9 @@ class Supervisor:
                 continue  # killed already: its agent reports the exit
             if self.silent_s(self.workers[w].proc.machine) > AGENT_QUIET_S:
                 continue  # its whole machine is going quiet: lost_machines() decides
-            key = heartbeat_key(w)
-            if self.store.check([key]):
-                last = float(self.store.get(key).decode())
+            beat = self.store.read(heartbeat_key(w))
+            if beat is not None:
+                last = float(beat.decode())
                 if now - last > limit_s:
                     self.metrics.event("heartbeat-missed", worker=w, silent_s=round(now - last, 1))
                     self.kill(w, "killed")
