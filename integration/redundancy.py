@@ -93,6 +93,28 @@ def piece_of(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
     return tensor.detach().reshape(-1)[piece.start : piece.stop]
 
 
+def joined_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """One flat view over ``tensors`` when they lie back to back, in order, in one storage
+    (each contiguous, one dtype); None otherwise. Equal to ``torch.cat`` of their flattened
+    values, without the copy: after the exact reduction every gradient is such a view of
+    the sum's buffer, and a copy of a real model's whole gradient costs a pass over it."""
+    if not tensors:
+        return None
+    first = tensors[0]
+    storage = first.untyped_storage().data_ptr()
+    offset = first.storage_offset()
+    for t in tensors:
+        if (
+            t.dtype != first.dtype
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != storage
+            or t.storage_offset() != offset
+        ):
+            return None
+        offset += t.numel()
+    return first.detach().as_strided((offset - first.storage_offset(),), (1,))
+
+
 class StashOutput(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
     """Keep a detached copy of this stage's forward output for micro-batch ``micro_batch_id``.
 
@@ -259,7 +281,8 @@ class Replica:
         offset = 0
         for p in self.params:
             n = p.numel()
-            # A view, not a copy: the received buffer is this step's alone (freed after it).
+            # A view, not a copy: the received buffer is not written again before zero_grad
+            # drops these views after the replica's step.
             p.grad = flat[offset : offset + n].view_as(p)
             offset += n
         assert offset == flat.numel()
@@ -366,6 +389,7 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         self.stash = StepStash()
         self.replica_grads_from = "owner"  # or "replay": a test of the takeover path
         self._pending_send: dist.P2POp | None = None
+        self._replica_recv: torch.Tensor | None = None
         self.redundant_s = 0.0
         self.replica_sync_s = 0.0
         self.model_state = ModelStateBytes()
@@ -532,11 +556,15 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         t0 = time.perf_counter()
         if self.held_by_predecessor is None:
             # Module order, as the replica lists its parameters.
-            flat = torch.cat([p.grad.detach().reshape(-1) for p in self.module.parameters()])
+            grads = [_grad(p).reshape(-1) for p in self.module.parameters()]
         else:
             # A sharded replica's holder gets only its pieces' gradients, in their order.
             params = dict(self.module.named_parameters())
-            flat = torch.cat([piece_of(_grad(params[x.name]), x) for x in self.held_by_predecessor])
+            grads = [piece_of(_grad(params[x.name]), x) for x in self.held_by_predecessor]
+        # Sent from the sum's buffer itself where the gradients are its views in this order
+        # (whole replicas): nothing writes them before ReplicaGradRecv waits for the send.
+        joined = joined_view(grads)
+        flat = joined if joined is not None else torch.cat(grads)
         self._pending_send = dist.P2POp(dist.isend, flat, self._peer(self.stage_id - 1))
         self.replica_sync_s += time.perf_counter() - t0
 
@@ -544,7 +572,11 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         assert self.replica is not None and self._pending_send is not None
         t0 = time.perf_counter()
         numel = sum(p.numel() for p in self.replica.params)
-        flat = torch.empty(numel, dtype=self.replica.params[0].dtype)
+        # Kept across steps (the replica's gradients are views of it until its step drops
+        # them): a fresh buffer of a real stage's size faults in fresh pages every step.
+        flat = self._replica_recv
+        if flat is None or flat.numel() != numel:
+            flat = self._replica_recv = torch.empty(numel, dtype=self.replica.params[0].dtype)
         recv = dist.P2POp(dist.irecv, flat, self._peer(self.stage_id + 1))
         # Every stage sends to its predecessor and receives from its successor at once:
         # batching the pair avoids a ring of blocked sends.

@@ -94,6 +94,9 @@ def test_per_worker_summaries_become_per_rank_lists() -> None:
         ["redundancy", "--cases", "2by2"],
         ["redundancy", "--cases", "1x4"],
         ["redundancy", "--pipelines", "0"],
+        ["redundancy", "--modes", "lazy,fast"],
+        ["redundancy", "--modes", "lazy-sharded"],
+        ["redundancy", "--modes", ","],
         ["foundation", "--cases", "2x2"],
         ["reduce", "--ranks", "2", "--logical-workers", "3"],
         ["reduce", "--elements", "0"],
@@ -180,3 +183,26 @@ def test_two_pipelines_add_the_sharded_mode_with_its_flags_and_schedule() -> Non
     # The same steps as lazy: only the stashes (no steps of their own) are left out.
     assert facts["num_schedule_steps"]["lazy-sharded"] == facts["num_schedule_steps"]["lazy"]
     assert facts["num_extra_steps"]["lazy-sharded"] == 0
+
+
+def test_modes_choose_what_runs_beside_off_in_a_fixed_order() -> None:
+    """``--modes``: only the modes named run, always beside off (every ratio is over it), in
+    the bench's own order whatever order they were named in."""
+    from spotline.errors import UserError
+    from spotline.launch.bench.ladder import _redundancy
+    from spotline.launch.bench.redundancy import parse_cases
+
+    [two] = parse_cases("2x4", pipelines=2, modes="lazy-sharded, LAZY")
+    assert two.modes == ("off", "lazy", "lazy-sharded")
+    [one] = parse_cases("2x4", modes="off")
+    assert one.modes == ("off",)
+    [every] = parse_cases("2x4", modes=None)
+    assert every.modes == ("off", "lazy", "eager")
+    with pytest.raises(UserError, match="needs --pipelines 2"):
+        parse_cases("2x4", modes="lazy-sharded")
+    # The ladder's table takes the modes a case ran.
+    spread = {"min": 1.0, "median": 1.0, "max": 1.0}
+    report = {
+        "cases": [{"case": "2x4", "modes": {m: {"spread_to_off": spread} for m in two.modes}}]
+    }
+    assert sorted(_redundancy(report)) == ["lazy / off step, 2x4", "lazy-sharded / off step, 2x4"]

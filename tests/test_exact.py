@@ -187,3 +187,33 @@ def test_one_logical_worker_is_its_own_sum_bit_for_bit() -> None:
         poisoned[3] = bad
         with pytest.raises(NonFiniteGradient, match=r"logical worker\(s\) \[0\]"):
             exact_sum([(0, poisoned)], num_logical_workers=1)
+
+
+def test_reduced_gradients_are_sent_from_the_sum_s_buffer_without_a_copy() -> None:
+    from spotline.exact import LogicalGradients
+    from spotline.redundancy import joined_view
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((3, 4), (5,), (2, 2, 2))]
+    logical = LogicalGradients(params, num_logical_workers=2)
+    for worker in (0, 1):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        logical.keep(worker, zero=worker == 0)
+    logical.reduce(local=True)
+    grads = [p.grad.reshape(-1) for p in params if p.grad is not None]
+    joined = joined_view(grads)
+    # The replica's send: the very buffer the gradients are views of, equal to their cat.
+    assert joined is not None and torch.equal(joined, torch.cat(grads))
+    assert joined.data_ptr() == grads[0].data_ptr()
+    # Not back to back, not in order, not one storage, or not one dtype: no view (a cat).
+    assert joined_view(grads[::-1]) is None
+    assert joined_view([grads[0], grads[2]]) is None
+    assert joined_view([grads[0], grads[1].clone()]) is None
+    assert joined_view([grads[0][:4], grads[0][5:]]) is None
+    assert joined_view([grads[0], grads[1].view(torch.int32)]) is None
+    assert joined_view([]) is None
+    # A piece of the buffer mid-way is one too (its offset kept).
+    middle = joined_view([grads[0][6:], grads[1]])
+    assert middle is not None and middle.data_ptr() == grads[0][6:].data_ptr()
+    assert torch.equal(middle, torch.cat([grads[0][6:], grads[1]]))

@@ -4,6 +4,7 @@
     spotline bench foundation --model gpt2-big     (or --ladder gpt2: tiny, mid, big)
     spotline bench foundation --stages 4           (4 stages x 1 pipeline; default 2 x 2)
     spotline bench redundancy [--steps 30] [--repeats 3] [--cases 2x2,2x4,4x4] [--pipelines 2]
+                              [--modes lazy,lazy-sharded]
     spotline bench recovery --trace FILE [--time-scale 60] [--max-workers 3]
     spotline bench reduce [--elements 1000000] [--ranks 2] [--logical-workers 4]
     spotline bench easyscale [--workers 2]
@@ -144,6 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="data-parallel pipelines of each case (default 1); 2 or more add the mode "
         "lazy-sharded (sharded replicas)",
+    )
+    redundancy.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated modes to bench beside off (off, lazy, eager, lazy-sharded; "
+        "default: all the case can run); off always runs, every ratio is over it",
     )
     recovery = sub.add_parser(
         "recovery", parents=[common], help="in-memory failover vs checkpoint-restart on a trace"
@@ -333,7 +340,7 @@ def run_bench(args: argparse.Namespace, settings: BenchSettings) -> tuple[dict[s
         report = bench_reduce(settings, elements, args.ranks, args.logical_workers)
         report["model"] = settings.model
         return report, format_reduce(report)
-    report = bench_redundancy(settings, parse_cases(args.cases, args.pipelines))
+    report = bench_redundancy(settings, parse_cases(args.cases, args.pipelines, args.modes))
     return report, format_redundancy(report)
 
 

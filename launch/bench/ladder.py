@@ -91,8 +91,10 @@ def _foundation(report: dict[str, Any]) -> dict[str, Spread]:
 def _redundancy(report: dict[str, Any]) -> dict[str, Spread]:
     out = {}
     for case in report["cases"]:
-        for mode in ("lazy", "eager"):
-            out[f"{mode} / off step, {case['case']}"] = case["modes"][mode]["spread_to_off"]
+        # The modes the case ran (``--modes`` may leave some out), each over off.
+        for mode, m in case["modes"].items():
+            if mode != "off":
+                out[f"{mode} / off step, {case['case']}"] = m["spread_to_off"]
     return out
 
 

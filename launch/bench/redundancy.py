@@ -53,6 +53,8 @@ class RedundancyCase:
     num_stages: int
     num_micro_batches: int
     num_pipelines: int = 1
+    # The modes asked for (``--modes``); None: every mode the case can run.
+    selected: tuple[str, ...] | None = None
 
     @property
     def num_workers(self) -> int:
@@ -60,8 +62,12 @@ class RedundancyCase:
 
     @property
     def modes(self) -> tuple[str, ...]:
-        """The modes benched: sharded replicas only where there are shards to make."""
-        return (*REDUNDANCY_MODES, SHARDED) if self.num_pipelines > 1 else REDUNDANCY_MODES
+        """The modes benched, in a fixed order: sharded replicas only where there are shards
+        to make, and off always (every ratio is over it)."""
+        every = (*REDUNDANCY_MODES, SHARDED) if self.num_pipelines > 1 else REDUNDANCY_MODES
+        if self.selected is None:
+            return every
+        return tuple(m for m in every if m == "off" or m in self.selected)
 
     @property
     def name(self) -> str:
@@ -73,11 +79,36 @@ class RedundancyCase:
 DEFAULT_CASES = (RedundancyCase(2, 2), RedundancyCase(2, 4), RedundancyCase(4, 4))
 
 
-def parse_cases(text: str, pipelines: int = 1) -> tuple[RedundancyCase, ...]:
-    """``"2x2,4x4"`` -> the cases (of ``pipelines`` pipelines each); raises UserError naming
-    the bad entry."""
+BENCH_MODES = (*REDUNDANCY_MODES, SHARDED)
+"""Every mode ``--modes`` can name."""
+
+
+def parse_modes(text: str | None, pipelines: int) -> tuple[str, ...] | None:
+    """``"lazy,lazy-sharded"`` -> the modes to bench beside off (None: all); raises UserError
+    naming an unknown mode, or sharded replicas on one pipeline (nothing to shard over)."""
+    if text is None:
+        return None
+    modes = tuple(m.strip().lower() for m in text.split(",") if m.strip())
+    for mode in modes:
+        if mode not in BENCH_MODES:
+            raise UserError(f"--modes: unknown mode {mode!r}; use some of {', '.join(BENCH_MODES)}")
+    if not modes:
+        raise UserError(f"--modes {text!r} names no mode; use some of {', '.join(BENCH_MODES)}")
+    if SHARDED in modes and pipelines < 2:
+        raise UserError(
+            f"--modes {SHARDED} needs --pipelines 2 or more (a replica is sharded over pipelines)"
+        )
+    return modes
+
+
+def parse_cases(
+    text: str, pipelines: int = 1, modes: str | None = None
+) -> tuple[RedundancyCase, ...]:
+    """``"2x2,4x4"`` -> the cases (of ``pipelines`` pipelines each, benching ``modes``: a
+    ``--modes`` text, None for all); raises UserError naming the bad entry."""
     if pipelines < 1:
         raise UserError(f"--pipelines {pipelines}: use at least 1 pipeline")
+    selected = parse_modes(modes, pipelines)
     cases = []
     for part in text.split(","):
         fields = part.strip().lower().split("x")
@@ -90,7 +121,7 @@ def parse_cases(text: str, pipelines: int = 1) -> tuple[RedundancyCase, ...]:
             raise UserError(
                 f"--cases entry {part.strip()!r}: redundancy needs >= 2 stages and >= 1 micro-batch"
             )
-        cases.append(RedundancyCase(num_stages, num_micro_batches, pipelines))
+        cases.append(RedundancyCase(num_stages, num_micro_batches, pipelines, selected))
     if len(set(cases)) != len(cases):
         raise UserError(f"--cases {text!r} names a case twice; list each case once")
     return tuple(cases)
