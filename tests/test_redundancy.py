@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_ranks, small_config, write_config
 
+from spotline.config import DEFAULT_DEEPSPEED
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
@@ -37,6 +39,24 @@ def test_replicas_stay_bitwise_equal_and_never_change_the_math(spotline_train, s
     assert all(s > 0 for s in eager["redundant_compute_s_per_rank"])
     assert all(s == 0 for s in lazy["redundant_compute_s_per_rank"])
     _check_model_state(off, lazy, eager, stages)
+
+
+def test_fused_adamw_replicas_step_to_the_owner_s_bits(spotline_train) -> None:
+    """torch's fused CPU AdamW (``"fused": true`` in the optimizer's params, which DeepSpeed's
+    torch_adam path passes on): about 4x faster a step than the default kernel, with other
+    bits. The replica copies the owner's optimizer options, so it steps to the owner's bits
+    after every step."""
+    flags = ("--workers", "2", "--stages", "2", "--redundancy", "lazy")
+    config = small_config(redundancy={"verify_replicas": True})
+    default = spotline_train(config, *flags, name="default")
+    params = {**DEFAULT_DEEPSPEED["optimizer"]["params"], "fused": True}
+    config["optimizer"] = {**DEFAULT_DEEPSPEED["optimizer"], "params": params}
+    fused = spotline_train(config, *flags, name="fused")
+    steps = config["spotline"]["training"]["steps"]
+    for run in (default, fused):
+        assert run["replica_checks"] == steps and run["replica_mismatches"] == []
+    # The option took effect: the two kernels' bits differ.
+    assert fused["param_sha256"] != default["param_sha256"]
 
 
 def _check_model_state(off, lazy, eager, stages: int) -> None:
