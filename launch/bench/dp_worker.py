@@ -99,6 +99,10 @@ def run(mode: str, config_path: str, steps: int, output: Path) -> None:
         }
         output.write_text(json.dumps(result))
     dist.barrier()
+    # Torn down here, not at interpreter exit: a gloo group left to the exit's destructors
+    # can abort the process ("terminate called without an active exception", SIGABRT)
+    # after its result is written, which the bench then reports as a failed rank.
+    dist.destroy_process_group()
 
 
 def main() -> None:

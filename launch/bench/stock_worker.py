@@ -183,6 +183,8 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
         }
         write_json_atomic(output, result)
     dist.barrier()
+    # As the data-parallel bench worker: no gloo group left to the exit's destructors.
+    dist.destroy_process_group()
     return result
 
 
