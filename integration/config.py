@@ -109,7 +109,9 @@ class RedundancySection:
     mode: RedundancyMode = "lazy"
     replica_device: ReplicaDevice = "host"
     # Compare every replica with its owner (digests of parameters and optimizer state)
-    # after every step: a correctness check that costs one small all-gather per step.
+    # after every step, at the replica's version (a lazy replica's update waits for the next
+    # step's bubble: against the owner one step back, and once more at the run's end): a
+    # correctness check that costs one small all-gather per step.
     verify_replicas: bool = False
     # Memory: room for this many logical stages on one worker (2: its stage and its
     # successor's replica, as Bamboo; a takeover runs the replica's stage in that room). The

@@ -159,6 +159,19 @@ def _opt_state(
     return {k: state[k].detach().clone() if clone else state[k].detach() for k in OPT_KEYS}
 
 
+def _set_opt_state(
+    optimizer: torch.optim.Optimizer, p: torch.Tensor, state: dict[str, torch.Tensor]
+) -> None:
+    """Hand ``p``'s AdamW state to ``optimizer``. The state of a tensor never stepped (step
+    0: the zeros :func:`_opt_state` packs for it) stays empty, as in a fresh optimizer: it
+    steps to the same bits either way, and an owner and its replica, compared by their
+    state's digest (``redundancy.verify_replicas``), must not differ in its form."""
+    if float(state["step"]) == 0:
+        optimizer.state.pop(p, None)
+        return
+    optimizer.state[p] = state
+
+
 def extract_holdings(engine: RedundantPipelineEngine, logical: list[int]) -> Holdings:
     """Take the own stages and the replica out of the engine, which is dropped next.
 
@@ -197,13 +210,17 @@ def extract_holdings(engine: RedundantPipelineEngine, logical: list[int]) -> Hol
             for stage in range(len(logical) - 1)
             if replica.start <= logical[stage] < replica.stop and stage not in own_stages
         ]
+        # The coefficient of the step the received gradients are of: a lazy replica's
+        # update waits for the next step's bubble, kept with its own coefficient.
+        pending = engine.replica_pending
+        clip = engine.last_clip_coefficient if pending is None else pending.clip
         for stage in replica_stages:
             out.stages[stage] = StageState(
                 engine.replica_applied_steps,
                 {},
                 {},
                 {} if grads is not None else None,
-                engine.last_clip_coefficient,
+                clip,
                 replica.shard,
                 replica.shards,
             )
@@ -976,7 +993,7 @@ class ElasticWorker:
             for name, _ in names:
                 with torch.no_grad():
                     params[name].copy_(st.params[name])
-                engine.optimizer.state[params[name]] = dict(st.opt[name])
+                _set_opt_state(engine.optimizer, params[name], dict(st.opt[name]))
 
     def _load_replica(self, engine: RedundantPipelineEngine, resume: int) -> None:
         """Replicas: each physical stage sends its whole state (a sharded replica's holder: its
@@ -1018,9 +1035,11 @@ class ElasticWorker:
             for name, _ in rep_names[stage]:
                 with torch.no_grad():
                     rparams[name].copy_(got_params[name])
-                engine.replica.optimizer.state[rparams[name]] = {
-                    k: v.clone() for k, v in got_opt[name].items()
-                }
+                _set_opt_state(
+                    engine.replica.optimizer,
+                    rparams[name],
+                    {k: v.clone() for k, v in got_opt[name].items()},
+                )
         engine.replica_applied_steps = resume
 
     def _names_by_stage(self, named: Any) -> dict[int, list[tuple[str, torch.Size]]]:

@@ -110,16 +110,43 @@ class _RecordEngineStep(StepHooks):
         self.log.learning_rates[done.step] = float(self.engine.step_schedule.at(done.step)["lr"])
 
 
+@dataclass(frozen=True)
+class OwnState:
+    """A stage's digest (``RedundantPipelineEngine.own_digest``) after ``version`` steps."""
+
+    version: int
+    digest: str
+
+    @classmethod
+    def of(cls, engine: RedundantPipelineEngine) -> OwnState:
+        return cls(engine.applied_steps, engine.own_digest())
+
+
 class _VerifyReplicas(StepHooks):
+    """Each replica against its owner after every step, at the replica's version: a lazy
+    replica's update waits for the next step's bubble, so it is compared with the owner's
+    state one step back (kept from the step before), and once more after the run's end has
+    applied the last update."""
+
     def __init__(self, engine: RedundantPipelineEngine, log: EngineLog) -> None:
         self.engine = engine
         self.log = log
+        self.earlier = OwnState.of(engine) if engine.replica is not None else None
+        self.last_step: int | None = None
 
     def after_step(self, done: StepDone) -> None:
-        bad = replica_mismatches(self.engine)
+        self.last_step = done.step
+        if self.earlier is None:
+            return
+        now = OwnState.of(self.engine)
+        self.check(done.step, (self.earlier, now))
+        self.earlier = now
+
+    def check(self, step: int, owner: Sequence[OwnState] = ()) -> None:
+        bad = replica_mismatches(self.engine, owner)
         if bad is not None:
             self.log.replica_checks += 1
-            self.log.replica_mismatches.extend(ReplicaMismatch(done.step, s) for s in bad)
+            self.log.replica_mismatches.extend(ReplicaMismatch(step, s) for s in bad)
 
 
 def train_engine(
@@ -135,27 +162,51 @@ def train_engine(
     """Train a Spotline engine from step ``start`` to ``stop`` (both entry points call this).
 
     Each step's loss, time and rate go to ``log`` before ``hooks`` see it; the replicas are
-    checked (a collective over each pipeline) after them, when ``verify_replicas``."""
+    checked (a collective over each pipeline) after them, when ``verify_replicas``. A loop
+    that ends without an error applies the replica's waiting update (lazy redundancy), so
+    the engine's state is whole for whatever comes next (a hand-over, a check); a failure
+    leaves it waiting, as the recovery expects (a "ready" holding)."""
     every: list[StepHooks] = [_RecordEngineStep(engine, log), *hooks]
-    if verify_replicas:
-        every.append(_VerifyReplicas(engine, log))
-    return run_steps(
+    verifier = _VerifyReplicas(engine, log) if verify_replicas else None
+    if verifier is not None:
+        every.append(verifier)
+    end = run_steps(
         lambda step: engine.train_step(seed=seed, step=step), start=start, stop=stop, hooks=every
     )
+    flushed = engine.flush_replica_step()
+    if verifier is not None and flushed and verifier.last_step is not None:
+        verifier.check(verifier.last_step)
+    return end
 
 
-def replica_mismatches(engine: RedundantPipelineEngine) -> list[int] | None:
-    """Stages whose replica differs from the owner's state (gathered on every rank of the
-    pipeline; compares digests of parameters and optimizer state). None when redundancy is
-    off."""
+def replica_mismatches(
+    engine: RedundantPipelineEngine, owner: Sequence[OwnState] = ()
+) -> list[int] | None:
+    """Stages whose replica differs from the owner's state at the replica's version
+    (gathered on every rank of the pipeline; compares digests of parameters and optimizer
+    state). ``owner``: this rank's own states the replicas may be at (default: its current
+    one). None when redundancy is off."""
     if engine.replica is None:
         return None
-    mine = (engine.stage_id, engine.own_digest(), engine.replica.stage, engine.replica_digest())
+    states = list(owner) or [OwnState.of(engine)]
+    mine = (
+        engine.stage_id,
+        [(x.version, x.digest) for x in states],
+        engine.replica.stage,
+        engine.replica_applied_steps,
+        engine.replica_digest(),
+    )
     group = engine.grid.get_pipe_parallel_group()
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, mine, group=group)
-    owners = {stage: digest for stage, digest, _, _ in gathered}
-    return sorted(stage for _, _, stage, digest in gathered if owners[stage] != digest)
+    owners = {
+        (stage, version): digest for stage, kept, _, _, _ in gathered for version, digest in kept
+    }
+    for _, _, stage, version, _ in gathered:
+        assert (stage, version) in owners, f"no digest of stage {stage} at step {version}"
+    return sorted(
+        stage for _, _, stage, version, digest in gathered if owners[(stage, version)] != digest
+    )
 
 
 def slow_machine(

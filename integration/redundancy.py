@@ -11,6 +11,15 @@ a send), and the predecessor applies the *same* update to the replica with the s
 optimizer class and hyper-parameters, the same clip coefficient and the same learning rate.
 AdamW's update is element-wise, so identical gradients and state give identical bits.
 
+When it applies it: in lazy mode, in the next step's first bubble (the schedule's
+``ReplicaStep`` there; :class:`PendingReplicaStep` keeps the step's rate and clip
+coefficient until then), so the update leaves the step's critical path. The replica must
+equal its owner only at the next commit: a failure before the update finds the received
+gradients of a committed step, which the holder reports as ready and a recovery applies
+(``spotline.elastic.roll_forward``). A run's end and a digest check apply a waiting update
+first (:meth:`RedundantPipelineEngine.flush_replica_step`). In eager mode the update follows
+the commit at once: the redundant forwards of the next step read the replica.
+
 Modes:
 
 - ``lazy``: nothing redundant runs in steady state; the stage keeps what a replay of its
@@ -164,9 +173,11 @@ class ReplicaGradRecv(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is un
 
 
 class ReplicaStep(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
-    """Apply the owner's update to the replica: same clip coefficient, learning rate, optimizer.
+    """Apply the owner's last committed update to the replica: same clip coefficient,
+    learning rate, optimizer.
 
-    After OptimizerStep (which computes the clip coefficient) and ReplicaGradRecv.
+    After the OptimizerStep (the commit) that left it pending, and before the next
+    ReplicaGradRecv: right after the commit, or in the next step's first bubble (lazy).
     """
 
 
@@ -184,6 +195,16 @@ INSTRUCTIONS.update(
         )
     }
 )
+
+
+@dataclass(frozen=True)
+class PendingReplicaStep:
+    """A committed update the replica has received and not yet applied: the optimizer step
+    ``step`` it is (its learning rate) and the owner's clip coefficient of that step (the
+    replica's gradients are the received ones, ``Replica.flat_grads``)."""
+
+    step: int
+    clip: float
 
 
 @dataclass
@@ -386,6 +407,9 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
                 )
         self._plan = plan.add_redundancy(self._plan, self.redundancy, replay=shards == 1)
         plan.validate(self._plan)
+        # A committed update the replica has yet to apply (lazy: until the next step's
+        # bubble); None when the replica is up to date with its owner's last commit.
+        self.replica_pending: PendingReplicaStep | None = None
         self.stash = StepStash()
         self.replica_grads_from = "owner"  # or "replay": a test of the takeover path
         self._pending_send: dist.P2POp | None = None
@@ -481,6 +505,10 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         super()._exec_optimizer_step(lr_kwargs)
         self.applied_steps += 1
         self.own_ready = False
+        if self.replica is not None and self.replica.flat_grads is not None:
+            # The owner's rate and coefficient of this step, for the ReplicaStep that
+            # applies it (maybe in the next step, after both have moved on).
+            self.replica_pending = PendingReplicaStep(self.rng_step, self.last_clip_coefficient)
 
     def _peer(self, stage: int) -> int:
         return int(self.grid.stage_to_global(stage_id=stage % self.num_stages))
@@ -570,6 +598,9 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
 
     def _exec_replica_grad_recv(self) -> None:
         assert self.replica is not None and self._pending_send is not None
+        # The previous update must be applied before this exchange overwrites its gradients
+        # (the schedule's rule replica-step-before-exchange).
+        assert self.replica_pending is None, "the replica's previous update was never applied"
         t0 = time.perf_counter()
         numel = sum(p.numel() for p in self.replica.params)
         # Kept across steps (the replica's gradients are views of it until its step drops
@@ -589,9 +620,44 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
             self.exchange_replay_inputs()
 
     def _exec_replica_step(self) -> None:
+        assert self.replica is not None
+        pending = self.replica_pending
+        if pending is None:
+            # The first step since the replica was built or loaded: no commit to apply yet.
+            assert self.replica.flat_grads is None
+            return
+        self._apply_replica_step(pending)
+
+    def flush_replica_step(self) -> bool:
+        """Apply the committed update still waiting for the next step's bubble, if any (at a
+        run's end, before a digest check or a planned hand-over of the state). Local: no
+        communication. Returns whether there was one."""
+        if self.replica_pending is None:
+            return False
+        self._apply_replica_step(self.replica_pending)
+        return True
+
+    def replay_replica_steps(self) -> None:
+        """From the next step on, compute the replica's gradients by replaying the successor
+        (a test of the takeover path) instead of using the received ones. The replay needs
+        the step's own stashes, so the update then follows the commit at once."""
+        assert self.held_by_predecessor is None, "a sharded replica cannot replay"
+        self.flush_replica_step()
+        self.replica_grads_from = "replay"
+        self._plan = plan.add_redundancy(
+            plan.train_schedule(self.num_stages, self.micro_batches),
+            self.redundancy,
+            replica_step_in_bubble=False,
+        )
+        plan.validate(self._plan)
+        self._lowered.clear()
+
+    def _apply_replica_step(self, pending: PendingReplicaStep) -> None:
         assert self.replica is not None and self.replica.flat_grads is not None
         t0 = time.perf_counter()
         if self.replica_grads_from == "replay":
+            # The replay reads this step's stashes: only right after this step's commit.
+            assert pending.step == self.rng_step
             received = self.replica.flat_grads
             self.replay_successor()
             replayed = torch.cat([_grad(p).reshape(-1) for p in self.replica.params])
@@ -600,15 +666,17 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
             self.replica.set_grads_from_flat(self.replica.flat_grads)
         if self.gradient_clipping() > 0:
             # The owner's coefficient, applied with the same op to the same gradients.
-            apply_clip((p.grad for p in self.replica.params), self.last_clip_coefficient)
-        # The owner's rate for this step: not read from the owner's optimizer, whose
-        # scheduler has already moved on to the next step (ReplicaStep follows OptimizerStep).
-        self.step_schedule.apply(self.replica.optimizer.param_groups, self.rng_step)
+            apply_clip((p.grad for p in self.replica.params), pending.clip)
+        # The owner's rate for that step: not read from the owner's optimizer, whose
+        # scheduler has already moved on (ReplicaStep follows OptimizerStep).
+        self.step_schedule.apply(self.replica.optimizer.param_groups, pending.step)
         self.replica.optimizer.step()
         self.replica.zero_grad()
         self.replica.flat_grads = None
         self.replica_applied_steps += 1
+        assert self.replica_applied_steps == pending.step + 1
         self.replica_ready = False
+        self.replica_pending = None
         self.replica_sync_s += time.perf_counter() - t0
 
     # -- failover replay (Bamboo's lazy backward redundant computation) -----------------

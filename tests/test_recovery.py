@@ -45,7 +45,10 @@ def baselines(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("topology", "inject", "variant"),
     [
-        ("1x4", "kill:3:2:forward", "lazy"),
+        # Stage 1 lost in its first forward: its holder (stage 0) applies a step's replica
+        # update in the next step's last bubble, so it still waits with step 2's gradients;
+        # the recovery applies them ("ready") before the takeover.
+        ("1x4", "kill:3:1:forward", "lazy"),
         # Membership through an etcd the test starts on loopback instead of the TCPStore.
         ("1x4", "kill:2:1:send", "etcd"),
         ("1x4", "kill:1:0:recv", "lazy"),

@@ -28,9 +28,13 @@ def test_replicas_stay_bitwise_equal_and_never_change_the_math(spotline_train, s
     off = spotline_train(config, *flags, "--redundancy", "off", name="off")
     lazy = spotline_train(config, *flags, "--redundancy", "lazy", name="lazy")
     eager = spotline_train(config, *flags, "--redundancy", "eager", name="eager")
+    # A digest of every replica and of its owner after each step, no mismatch. Lazy's
+    # replica applies a step's update in the next step's bubble: after each step it is
+    # checked against its owner one step back, and once more after the run's end applied
+    # the last update. Eager's is up to date after each step.
+    assert lazy["replica_checks"] == steps + 1
+    assert eager["replica_checks"] == steps
     for run in (lazy, eager):
-        # A digest per step of every replica and of its owner: one check a step, no mismatch.
-        assert run["replica_checks"] == steps
         assert run["replica_mismatches"] == []
         assert run["param_sha256"] == off["param_sha256"]
         assert run["losses"] == off["losses"]
@@ -54,7 +58,7 @@ def test_fused_adamw_replicas_step_to_the_owner_s_bits(spotline_train) -> None:
     fused = spotline_train(config, *flags, name="fused")
     steps = config["spotline"]["training"]["steps"]
     for run in (default, fused):
-        assert run["replica_checks"] == steps and run["replica_mismatches"] == []
+        assert run["replica_checks"] == steps + 1 and run["replica_mismatches"] == []
     # The option took effect: the two kernels' bits differ.
     assert fused["param_sha256"] != default["param_sha256"]
 

@@ -143,7 +143,8 @@ def test_stashes_follow_their_compute() -> None:
     assert [str(a) for a in schedule.steps[0][0]] == ["0L0", "0F0", "0SO0"]
     assert [str(a) for a in schedule.steps[1][4]] == ["1RG0", "1SA1", "1B0", "1SI0"]
     # The last stage keeps stage 0's inputs right after its own load, stashes no output.
-    assert [str(a) for a in schedule.steps[2][2]] == ["2RA0", "2L0", "0RL0", "2F0"]
+    # (After the previous step's replica update, in the bubble before its first receive.)
+    assert [str(a) for a in schedule.steps[2][2]] == ["0RO", "2RA0", "2L0", "0RL0", "2F0"]
     assert not any(
         a.kind is ActionKind.STASH_INPUT_GRAD and a.stage == 0
         for row in schedule.steps
@@ -154,11 +155,73 @@ def test_stashes_follow_their_compute() -> None:
 
 def test_replica_tail_is_a_ring_before_the_optimizer_zeroes_gradients() -> None:
     for mode in ("lazy", "eager"):
-        schedule = add_redundancy(train_schedule(3, 4), mode)
+        schedule = add_redundancy(train_schedule(3, 4), mode, replica_step_in_bubble=False)
         tails = [[str(a) for a in row[-1] if a.kind not in COMPUTE] for row in schedule.steps]
         assert tails[0][-6:] == ["0RT", "0RD", "0SR", "1RR", "0O", "1RO"]
         assert tails[1][-6:] == ["1RT", "1RD", "1SR", "2RR", "1O", "2RO"]
         assert tails[2][-6:] == ["2RT", "2RD", "2SR", "0RR", "2O", "0RO"]
+
+
+@pytest.mark.parametrize(("num_stages", "num_micro_batches"), [(2, 1), (2, 4), (3, 4), (5, 8)])
+def test_lazy_replica_step_runs_in_the_next_batch_s_first_bubble(
+    num_stages: int, num_micro_batches: int
+) -> None:
+    """Off the critical path: a non-first position applies the previous batch's replica
+    update while it waits for its first activation, the first position while it waits for
+    its last output gradient; the batch then ends with the exchange and the commit only."""
+    schedule = add_redundancy(train_schedule(num_stages, num_micro_batches), "lazy")
+    validate(schedule)
+    for position, row in enumerate(schedule.steps):
+        replica = (position + 1) % num_stages
+        assert [str(a) for a in row[-1] if a.kind not in COMPUTE][-5:] == [
+            f"{position}RT",
+            f"{position}RD",
+            f"{position}SR",
+            f"{replica}RR",
+            f"{position}O",
+        ]
+        flat = [a for step in row for a in step]
+        (step_at,) = [i for i, a in enumerate(flat) if a.kind is ActionKind.REPLICA_STEP]
+        assert flat[step_at] == Action(replica, ActionKind.REPLICA_STEP)
+        waits = [
+            i
+            for i, a in enumerate(flat)
+            if a.kind is (ActionKind.RECV_ACTIVATION if position else ActionKind.RECV_GRAD)
+        ]
+        # Right before the wait, so the update fills time the position would sit idle.
+        assert step_at + 1 == (waits[0] if position else waits[-1])
+    # Eager's redundant forwards read the replica: its update stays after the commit.
+    for row in add_redundancy(train_schedule(num_stages, num_micro_batches), "eager").steps:
+        assert row[-1][-1].kind is ActionKind.REPLICA_STEP
+
+
+def test_validator_places_the_replica_step_around_the_exchange() -> None:
+    lazy = add_redundancy(train_schedule(2, 2), "lazy")
+    last = lazy.num_steps - 1
+    # Moved from the bubble to between the exchange and the commit: it would apply the
+    # previous batch's update from a buffer the exchange has just overwritten.
+    tail = [a for a in lazy.steps[1][last]]
+    body = [a for a in lazy.steps[1][1] if a.kind is not ActionKind.REPLICA_STEP]
+    tail.insert(
+        tail.index(Action(1, ActionKind.OPTIMIZER_STEP)), Action(0, ActionKind.REPLICA_STEP)
+    )
+    moved = edit(edit(lazy, 1, 1, body), 1, last, tail)
+    assert_breaks(moved, "replica-step-before-exchange", (1, last))
+    # Dropped: the received gradients are never applied.
+    assert_breaks(edit(lazy, 1, 1, body), "one-replica-step", (1, last))
+    # Twice: the update applied twice.
+    twice = edit(lazy, 1, 2, [*lazy.steps[1][2], Action(0, ActionKind.REPLICA_STEP)])
+    assert_breaks(twice, "one-replica-step", (1, 2))
+    # In the body of an eager schedule, after a redundant forward that reads the replica.
+    eager_schedule = add_redundancy(train_schedule(2, 2), "eager")
+    rows = eager_schedule.steps
+    (rf_step,) = [i for i, step in enumerate(rows[0]) if Action(1, RF, 0) in step]
+    end = eager_schedule.num_steps - 1
+    early = edit(
+        eager_schedule, 0, end, [a for a in rows[0][end] if a.kind is not ActionKind.REPLICA_STEP]
+    )
+    late = edit(early, 0, rf_step + 1, [Action(1, ActionKind.REPLICA_STEP), *rows[0][rf_step + 1]])
+    assert_breaks(late, "redundant-forward-after-replica-step", (0, rf_step))
 
 
 def test_add_redundancy_rejects_bad_input() -> None:
@@ -421,10 +484,12 @@ def test_validator_catches_step_before_reduce() -> None:
     tail[optimizer], tail[reduce] = tail[reduce], tail[optimizer]
     assert_breaks(edit(schedule, 0, last, tail), "optimizer-after-reduce", (0, last))
 
+    # After the commit, the replica's update must follow the exchange that brings it.
+    schedule = add_redundancy(train_schedule(2, 2), "lazy", replica_step_in_bubble=False)
     tail = list(schedule.steps[0][last])
-    replica_step = tail.pop()
-    assert str(replica_step) == "1RO"
-    tail.insert(0, replica_step)
+    assert str(tail[-1]) == "1RO"
+    received = tail.pop(tail.index(Action(1, ActionKind.REPLICA_GRAD_RECV)))
+    tail.append(received)
     assert_breaks(edit(schedule, 0, last, tail), "replica-step-after-recv", (0, last))
 
 
@@ -478,17 +543,19 @@ def test_a_pipeline_runs_each_hosted_logical_worker_through_the_whole_body(
     for position in range(num_stages):
         plain = lower(schedule, position)
         logical = lower_logical_step(schedule, position, num_hosted)
-        tail = [
-            n
-            for n, _ in plain[-1]
-            if n in {"ReduceTiedGrads", "ReduceGrads", "OptimizerStep"}
-            or n.startswith("Replica")
-            and n != "ReplicaLoad"
-        ]
+        ends = {"ReduceTiedGrads", "ReduceGrads", "OptimizerStep"}
+        ends |= {"ReplicaGradSend", "ReplicaGradRecv", "ReplicaStep"}
+        names = [n for n, _ in plain[-1]]
+        split = len(names)
+        while split and names[split - 1] in ends:
+            split -= 1
+        tail = names[split:]
         body = [n for n in _names(plain)][: len(_names(plain)) - len(tail)]
         expected: list[str] = []
-        for _ in range(num_hosted):
-            expected += ["BeginLogicalWorker", *body, "ReduceTiedGrads", "KeepLogicalGradients"]
+        for index in range(num_hosted):
+            # The previous step's replica update (lazy, in a bubble): once, in the first.
+            copy = [n for n in body if index == 0 or n != "ReplicaStep"]
+            expected += ["BeginLogicalWorker", *copy, "ReduceTiedGrads", "KeepLogicalGradients"]
         expected += tail[1:]  # the step's one reduction, replica exchange and optimizer steps
         assert _names(logical) == expected
         begins = [kw["index"] for step in logical for n, kw in step if n == "BeginLogicalWorker"]

@@ -90,7 +90,10 @@ class ActionKind(Enum):
     gradients; pairs with ``sSR`` on position s."""
     REPLICA_STEP = "RO"
     """``ReplicaStep``: the holder applies to stage s's replica the same optimizer update the
-    owner applies, from the gradients of ``sRR``, so the replica stays bitwise equal."""
+    owner applied at its last commit, from the gradients of ``sRR``, so the replica stays
+    bitwise equal. Either at the end of the batch, after the commit (the update of this
+    batch), or in the next batch's body, in a bubble before its exchange (the update of the
+    previous batch: off the critical path; see :func:`add_redundancy`)."""
 
 
 # Kinds whose actions name one micro-batch; the others act on the whole step.
@@ -293,20 +296,35 @@ def train_schedule(num_stages: int, num_micro_batches: int) -> Schedule:
 # --------------------------------------------------------------------------- redundancy
 
 
-def add_redundancy(schedule: Schedule, mode: RedundancyMode, *, replay: bool = True) -> Schedule:
+def add_redundancy(
+    schedule: Schedule,
+    mode: RedundancyMode,
+    *,
+    replay: bool = True,
+    replica_step_in_bubble: bool = True,
+) -> Schedule:
     """Derive the schedule for redundancy ``mode`` from a schedule without redundancy.
 
     - ``off``: ``schedule`` itself.
     - ``lazy``: ``StashOutput`` after each forward (not on the last stage),
       ``StashInputGrad`` after each backward (not on stage 0), ``ReplicaLoad`` of stage 0's
       inputs after the last stage's load, and at the end of the last step the replica's
-      gradient exchange (a ring) and optimizer step.
+      gradient exchange (a ring). The replica's optimizer step (``ReplicaStep``) of a batch
+      runs in the next batch's first bubble (``replica_step_in_bubble``, the default): a
+      non-first position before its first ``RecvActivation`` (it waits there for its
+      predecessors' first forwards), the first position before its last ``RecvGrad`` (it
+      waits there for its successors' last backwards). The replica must equal its owner
+      only at the next commit (a holder reports a received, committed update as "ready",
+      and a recovery applies it), so the step need not sit on the critical path. With
+      ``replica_step_in_bubble`` False it follows the commit at the end of the batch (the
+      failover replay test needs this batch's stashes for it).
     - ``eager``: ``lazy`` plus one ``RedundantForward`` of stage ``(p+1) % S`` per micro-batch
       on each position ``p``, each in the earliest bubble of ``p`` (no forward or backward)
       after its input exists, one per bubble; the last position fetches stage 0's inputs
       early when that lets its redundant forward use an earlier bubble. Redundant forwards
       that fit no bubble go in extra steps at the end (they cost time); every position is
-      padded to the same length and the end-of-batch actions move to the new last step.
+      padded to the same length and the end-of-batch actions move to the new last step. The
+      replica's step stays at the end of the batch: the redundant forwards read the replica.
 
     With one stage there is no other position to hold a replica: ``lazy`` and ``eager`` add
     nothing.
@@ -342,9 +360,12 @@ def add_redundancy(schedule: Schedule, mode: RedundancyMode, *, replay: bool = T
     if mode == "eager":
         body = _place_redundant_forwards(schedule.num_stages, body)
     num_stages = schedule.num_stages
+    in_bubble = mode == "lazy" and replica_step_in_bubble
+    if in_bubble:
+        body = _place_replica_steps(num_stages, body)
     rows = []
     for position, row in enumerate(body):
-        tail = _replica_tail(num_stages, position, tails[position])
+        tail = _replica_tail(num_stages, position, tails[position], step=not in_bubble)
         rows.append(tuple(tuple(step) for step in row[:-1]) + (tuple(row[-1] + tail),))
     return Schedule(schedule.num_stages, schedule.num_micro_batches, mode, tuple(rows))
 
@@ -367,8 +388,11 @@ def _split_tails(schedule: Schedule) -> tuple[MutableGrid, list[list[Action]]]:
     return body, tails
 
 
-def _replica_tail(num_stages: int, position: int, tail: list[Action]) -> list[Action]:
-    """The end-of-batch actions with the replica's gradient exchange and update added.
+def _replica_tail(
+    num_stages: int, position: int, tail: list[Action], *, step: bool
+) -> list[Action]:
+    """The end-of-batch actions with the replica's gradient exchange added, and its update
+    after the commit when ``step``.
 
     The reduced gradients are sent before ``OptimizerStep`` because it zeroes them.
     """
@@ -380,8 +404,27 @@ def _replica_tail(num_stages: int, position: int, tail: list[Action]) -> list[Ac
         reduces
         + [Action(own, ActionKind.REPLICA_GRAD_SEND), Action(replica, ActionKind.REPLICA_GRAD_RECV)]
         + steps
-        + [Action(replica, ActionKind.REPLICA_STEP)]
+        + ([Action(replica, ActionKind.REPLICA_STEP)] if step else [])
     )
+
+
+def _place_replica_steps(num_stages: int, body: MutableGrid) -> MutableGrid:
+    """Put each position's ``ReplicaStep`` (of the previous batch) in its first bubble: right
+    before the first ``RecvActivation`` on a non-first position, right before the last
+    ``RecvGrad`` on the first (see :func:`add_redundancy`)."""
+    out: MutableGrid = [[list(step) for step in row] for row in body]
+    for position, row in enumerate(out):
+        waits_for = ActionKind.RECV_ACTIVATION if position > 0 else ActionKind.RECV_GRAD
+        found = [
+            (index, order)
+            for index, step in enumerate(row)
+            for order, action in enumerate(step)
+            if action.kind is waits_for
+        ]
+        assert found, f"rank {position} never waits for a neighbour"
+        index, order = found[0] if position > 0 else found[-1]
+        row[index].insert(order, Action((position + 1) % num_stages, ActionKind.REPLICA_STEP))
+    return out
 
 
 def _add_stashes(num_stages: int, body: MutableGrid) -> MutableGrid:
@@ -569,7 +612,12 @@ def validate(schedule: Schedule) -> None:
     ``redundant-forward-after-input`` (after ``(s-1)SO`` or ``0RL`` on its position),
     ``redundant-forward-before-step`` (before the end-of-batch actions of its position),
     ``reduce-after-backward``, ``optimizer-after-reduce``, ``replica-send-after-reduce``,
-    ``replica-step-after-recv``, ``one-compute-per-step`` (a position computes at most one
+    ``one-replica-step`` (per received replica gradient, one ``ReplicaStep`` on its
+    position), ``replica-step-after-recv`` (one after the commit follows the exchange),
+    ``replica-step-before-exchange`` (one before the commit, which applies the previous
+    batch's update, precedes the exchange that overwrites it),
+    ``redundant-forward-after-replica-step`` (a redundant forward reads the replica only
+    once it is up to date), ``one-compute-per-step`` (a position computes at most one
     of F, B, RF per step: a step is one slot of compute time).
     """
     checker = _Checker(schedule)
@@ -659,12 +707,18 @@ class _Checker:
                 self.check_redundant_forward(action, where)
             elif action.kind is ActionKind.OPTIMIZER_STEP:
                 self.check_after(action, ActionKind.REDUCE_GRADS, "optimizer-after-reduce", where)
+            elif action.kind is ActionKind.REPLICA_GRAD_RECV:
+                if (
+                    self.on_position(replace(action, kind=ActionKind.REPLICA_STEP), position)
+                    is None
+                ):
+                    detail = f"{action} without a {action.stage}RO to apply it"
+                    raise self.fail("one-replica-step", detail, where)
             elif action.kind is ActionKind.REPLICA_GRAD_SEND:
                 rule = "replica-send-after-reduce"
                 self.check_after(action, ActionKind.REDUCE_GRADS, rule, where)
             elif action.kind is ActionKind.REPLICA_STEP:
-                rule = "replica-step-after-recv"
-                self.check_after(action, ActionKind.REPLICA_GRAD_RECV, rule, where)
+                self.check_replica_step(action, where)
             elif action.kind is ActionKind.REDUCE_GRADS:
                 for mb in range(self.schedule.num_micro_batches):
                     backward = Action(action.stage, ActionKind.BACKWARD, mb)
@@ -679,6 +733,45 @@ class _Checker:
         made = self.on_position(earlier, where[0])
         if made is None or not _before(made, where):
             raise self.fail(rule, f"{action} without an earlier {earlier}", where)
+
+    def check_replica_step(self, action: Action, where: Location) -> None:
+        """After its position's commit it applies this batch's update (so it follows the
+        exchange); before it, the previous batch's, which this batch's exchange overwrites
+        and which the replica's redundant forwards must already see."""
+        position = where[0]
+        if self.on_position(action, position) != where:
+            raise self.fail("one-replica-step", f"{action} runs twice on rank {position}", where)
+        received = self.on_position(Action(action.stage, ActionKind.REPLICA_GRAD_RECV), position)
+        committed = self.kind_on_position(ActionKind.OPTIMIZER_STEP, position)
+        if committed is not None and _before(committed, where):
+            if received is None or not _before(received, where):
+                detail = f"{action} after the commit without an earlier {action.stage}RR"
+                raise self.fail("replica-step-after-recv", detail, where)
+            return
+        if received is not None and _before(received, where):
+            detail = (
+                f"{action} before the commit applies the previous batch's update, which "
+                f"{action.stage}RR has already overwritten"
+            )
+            raise self.fail("replica-step-before-exchange", detail, where)
+        row = self.schedule.steps[position]
+        for index, step in enumerate(row):
+            for order, other in enumerate(step):
+                if other.kind is ActionKind.REDUNDANT_FORWARD and _before(
+                    (position, index, order), where
+                ):
+                    detail = f"{other} reads the replica before {action} brings it up to date"
+                    raise self.fail(
+                        "redundant-forward-after-replica-step", detail, (position, index, order)
+                    )
+
+    def kind_on_position(self, kind: ActionKind, position: int) -> Location | None:
+        """Where ``position`` first runs an action of ``kind``."""
+        for index, step in enumerate(self.schedule.steps[position]):
+            for order, action in enumerate(step):
+                if action.kind is kind:
+                    return position, index, order
+        return None
 
     def check_stash_output(self, action: Action, where: Location) -> None:
         made = self.on_position(replace(action, kind=ActionKind.FORWARD), where[0])
@@ -814,7 +907,8 @@ def lower_logical_step(
     ``KeepLogicalGradients(index=i)`` (its gradients are moved aside and zeroed, so the next
     logical worker's never add into them). The step ends with the schedule's other
     end-of-batch actions once: ``ReduceGrads`` (the exact reduction over every logical
-    worker of the job), the replica's exchange and the optimizer steps.
+    worker of the job), the replica's exchange and the optimizer steps. A ``ReplicaStep`` in
+    the body (the previous step's update, in a bubble) runs in the first copy only.
 
     With one hosted logical worker this is :func:`lower` plus the two bookkeeping
     instructions. Pure: the runtime executes the list in order, step after step.
@@ -830,9 +924,12 @@ def lower_logical_step(
     tail = last[split:]
     reduce_tied = _INSTRUCTION_NAMES[ActionKind.REDUCE_TIED_GRADS]
     assert tail and tail[0][0] == reduce_tied, f"unexpected end of batch {tail}"
+    replica_step = _INSTRUCTION_NAMES[ActionKind.REPLICA_STEP]
     out: list[list[tuple[str, dict[str, int]]]] = []
     for index in range(num_hosted):
-        steps = [list(step) for step in body]
+        # A ReplicaStep in the body applies the previous optimizer step's update: once, in
+        # the first hosted logical worker's bubble.
+        steps = [[x for x in step if index == 0 or x[0] != replica_step] for step in body]
         steps[0].insert(0, (BEGIN_LOGICAL_WORKER, {"index": index}))
         steps[-1] += [(reduce_tied, {}), (KEEP_LOGICAL_GRADIENTS, {"index": index})]
         out += steps

@@ -24,8 +24,8 @@ def main() -> None:
     steps = cfg.spotline.training.steps
     for step in range(steps - 1):
         worker.train_step(step)
+    worker.engine.replay_replica_steps()
     before = worker.engine.replica_digest()
-    worker.engine.replica_grads_from = "replay"
     worker.train_step(steps - 1)
     result = {
         "stage": worker.engine.stage_id,
