@@ -106,6 +106,10 @@ def test_per_worker_summaries_become_per_rank_lists() -> None:
         ["cluster", "--ladder", "gpt2"],
         ["reduce", "--model", "gpt2-big", "--elements", "5"],
         ["reduce", "--model", "no-such-model"],
+        ["overlap", "--ranks", "1"],
+        ["overlap", "--elements", "0"],
+        ["overlap", "--model", "gpt2-big", "--elements", "5"],
+        ["overlap", "--device", "tpu"],
         ["takeover", "--kill-at", "0"],
         ["takeover", "--steps", "5", "--kill-at", "5"],
         ["foundation", "--stages", "3"],
@@ -148,6 +152,28 @@ def test_reduce_compares_the_exact_sum_with_a_float_all_reduce(tmp_path: Path) -
     assert report["plain_bytes"] == 4 * 20000
     assert report["exact_bytes"] == 4 * (2 * 10000 + 10000) + 4 * 4
     assert "exact (fixed order)" in proc.stdout
+
+
+def test_overlap_times_the_exchange_the_step_and_both(tmp_path: Path) -> None:
+    """Three ranks, so that each sends to one neighbour and receives from the other; every
+    rank checks it received its successor's gradient bit for bit (a rank that did not exits
+    non-zero and fails the bench)."""
+    proc = run_spotline(
+        ["bench", "overlap", "--elements", "30000", "--ranks", "3", "--steps", "3"]
+        + ["--output", str(tmp_path)],
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "bench-overlap.json").read_text())
+    assert (report["ranks"], report["elements"], report["backend"]) == (3, 30000, "gloo")
+    assert report["bytes_sent_per_rank"] == 4 * 30000
+    rounds = report["rounds_ms"]
+    assert [len(rounds[v]) for v in ("exchange", "step", "both")] == [3, 3, 3]
+    assert report["hidden_fractions"] == [
+        (e + s - b) / e
+        for e, s, b in zip(rounds["exchange"], rounds["step"], rounds["both"], strict=True)
+    ]
+    assert "hidden fraction of the exchange" in proc.stdout
 
 
 @pytest.mark.slow

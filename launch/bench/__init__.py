@@ -3,7 +3,8 @@
 - :mod:`~spotline.launch.bench.command`: the ``spotline bench`` command line; dispatches to
   one module per benchmark: :mod:`~spotline.launch.bench.foundation`,
   :mod:`~spotline.launch.bench.redundancy`, :mod:`~spotline.launch.bench.recovery`,
-  :mod:`~spotline.launch.bench.reduce`, :mod:`~spotline.launch.bench.easyscale`,
+  :mod:`~spotline.launch.bench.reduce`, :mod:`~spotline.launch.bench.overlap`,
+  :mod:`~spotline.launch.bench.easyscale`,
   :mod:`~spotline.launch.bench.cluster`, :mod:`~spotline.launch.bench.cluster_replay`.
 - :mod:`~spotline.launch.bench.jobs`: what they and ``spotline calibrate`` share: settings,
   jobs started as subprocesses, interleaved rounds, medians, exit codes. It imports no
@@ -13,6 +14,7 @@
   DeepSpeed ``PipelineEngine``, for ``foundation``), :mod:`~spotline.launch.bench.dp_worker`
   (stock ``DeepSpeedEngine`` or the exact data-parallel engine, for ``easyscale``),
   :mod:`~spotline.launch.bench.reduce_worker` (for ``reduce`` and ``easyscale``),
+  :mod:`~spotline.launch.bench.overlap_worker` (for ``overlap``; gloo, or NCCL on GPUs),
   :mod:`~spotline.launch.bench.transfer_worker` (for ``cluster``: one per namespace machine).
 - :mod:`~spotline.launch.bench.netns`: machines as network namespaces on a private bridge
   (root only), for ``cluster``, ``cluster-replay`` and, through ``tests/netns.py``, the

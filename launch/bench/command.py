@@ -7,6 +7,7 @@
                               [--modes lazy,lazy-sharded]
     spotline bench recovery --trace FILE [--time-scale 60] [--max-workers 3]
     spotline bench reduce [--elements 1000000] [--ranks 2] [--logical-workers 4]
+    spotline bench overlap [--elements 7172736] [--ranks 2] [--device cpu]
     spotline bench easyscale [--workers 2]
     spotline bench takeover [--kill-at 5]
     spotline bench profile [--model gpt2-big] [--stages 2]
@@ -22,7 +23,7 @@ variants: a Markdown table on stdout and the whole record in ``<output>/bench-<n
 own output directory and logs stay under ``<output>/<name>/``. One module per benchmark
 (:mod:`~spotline.launch.bench.foundation`, :mod:`~spotline.launch.bench.redundancy`,
 :mod:`~spotline.launch.bench.recovery`, :mod:`~spotline.launch.bench.reduce`,
-:mod:`~spotline.launch.bench.easyscale`); this one parses the command line and dispatches.
+:mod:`~spotline.launch.bench.overlap`, :mod:`~spotline.launch.bench.easyscale`); this one parses the command line and dispatches.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ from spotline.launch.bench.ladder import (
     ladder_report,
     parameters,
     plot_ladder,
+)
+from spotline.launch.bench.overlap import (
+    DEFAULT_OVERLAP_ELEMENTS,
+    bench_overlap,
+    format_overlap,
 )
 from spotline.launch.bench.profile import bench_profile, format_profile
 from spotline.launch.bench.recovery import bench_recovery, format_recovery
@@ -125,8 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="bench",
         required=True,
-        metavar="{foundation,redundancy,recovery,reduce,easyscale,takeover,profile,cluster,"
-        "cluster-replay}",
+        metavar="{foundation,redundancy,recovery,reduce,overlap,easyscale,takeover,profile,"
+        "cluster,cluster-replay}",
     )
     foundation = sub.add_parser(
         "foundation", parents=[common], help="Spotline vs stock DeepSpeed PipelineEngine"
@@ -175,6 +181,24 @@ def build_parser() -> argparse.ArgumentParser:
     reduce.add_argument("--ranks", type=int, default=2, help="gloo processes (default 2)")
     reduce.add_argument(
         "--logical-workers", type=int, default=4, help="logical workers in all (default 4)"
+    )
+    overlap = sub.add_parser(
+        "overlap",
+        parents=[common],
+        help="whether the replica exchange hides behind the replica's step on this host",
+    )
+    overlap.add_argument(
+        "--elements",
+        type=int,
+        help=f"elements each rank sends (default {DEFAULT_OVERLAP_ELEMENTS:,}: a gpt2-big "
+        "stage of 2; with --model, half its parameters)",
+    )
+    overlap.add_argument("--ranks", type=int, default=2, help="processes on the ring (default 2)")
+    overlap.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu (gloo) or cuda (NCCL, one GPU a rank) (default cpu)",
     )
     easyscale = sub.add_parser(
         "easyscale",
@@ -340,6 +364,14 @@ def run_bench(args: argparse.Namespace, settings: BenchSettings) -> tuple[dict[s
         report = bench_reduce(settings, elements, args.ranks, args.logical_workers)
         report["model"] = settings.model
         return report, format_reduce(report)
+    if args.bench == "overlap":
+        if settings.model is not None:
+            elements = parameters(settings.model) // 2
+        else:
+            elements = DEFAULT_OVERLAP_ELEMENTS if args.elements is None else args.elements
+        report = bench_overlap(settings, elements, args.ranks, args.device)
+        report["model"] = settings.model
+        return report, format_overlap(report)
     report = bench_redundancy(settings, parse_cases(args.cases, args.pipelines, args.modes))
     return report, format_redundancy(report)
 
