@@ -41,7 +41,8 @@ def bench_overlap(
         if torch.cuda.device_count() < ranks:
             raise UserError(
                 f"--device cuda --ranks {ranks}: this machine has "
-                f"{torch.cuda.device_count()} CUDA devices; use --device cpu or fewer ranks"
+                f"{torch.cuda.device_count()} CUDA devices; use --device cpu here, or a "
+                f"machine with at least {ranks} GPUs"
             )
     measured = run_rank_module(
         "spotline.launch.bench.overlap_worker",
