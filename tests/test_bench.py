@@ -168,11 +168,16 @@ def test_overlap_times_the_exchange_the_step_and_both(tmp_path: Path) -> None:
     assert (report["ranks"], report["elements"], report["backend"]) == (3, 30000, "gloo")
     assert report["bytes_sent_per_rank"] == 4 * 30000
     rounds = report["rounds_ms"]
-    assert [len(rounds[v]) for v in ("exchange", "step", "both")] == [3, 3, 3]
-    assert report["hidden_fractions"] == [
-        (e + s - b) / e
-        for e, s, b in zip(rounds["exchange"], rounds["step"], rounds["both"], strict=True)
-    ]
+    variants = ("exchange", "step", "both", "beside_idle")
+    assert [len(rounds[v]) for v in variants] == [3, 3, 3, 3]
+    for variant, key in (
+        ("both", "hidden_fractions"),
+        ("beside_idle", "hidden_fractions_beside_idle"),
+    ):
+        assert report[key] == [
+            (e + s - b) / e
+            for e, s, b in zip(rounds["exchange"], rounds["step"], rounds[variant], strict=True)
+        ]
     assert "hidden fraction of the exchange" in proc.stdout
 
 

@@ -4,8 +4,9 @@ Lazy redundancy's exchange (each stage's reduced gradient to its replica holder)
 before the step's commit; a cut that moved it behind other work would pay off only where
 the transfer uses hardware the compute leaves idle. This measures that directly, in one set
 of processes (the rank worker :mod:`spotline.launch.bench.overlap_worker`): the exchange
-alone, the replica's AdamW step alone, and both at once, round by round, and reports the
-fraction of the exchange that hid.
+alone, the replica's AdamW step alone, both at once on every rank, and both at once beside
+a peer that only exchanges (a bubble's idle core), round by round, and reports the fraction
+of the exchange that hid in each case.
 """
 
 from __future__ import annotations
@@ -52,11 +53,12 @@ def bench_overlap(
         "overlap",
     )
     measured["hidden_spread"] = spread(measured["hidden_fractions"])
+    measured["hidden_beside_idle_spread"] = spread(measured["hidden_fractions_beside_idle"])
     return {"bench": "overlap", **measured, "machine": machine_info()}
 
 
 def format_overlap(report: dict[str, Any]) -> str:
-    hidden = report["hidden_spread"]
+    hidden, beside_idle = report["hidden_spread"], report["hidden_beside_idle_spread"]
     return "\n".join(
         [
             f"overlap: the replica exchange of {report['elements']:,} float32 elements "
@@ -68,9 +70,11 @@ def format_overlap(report: dict[str, Any]) -> str:
             "|---|---:|",
             f"| exchange alone | {report['exchange_ms']:.2f} |",
             f"| replica AdamW step alone | {report['step_ms']:.2f} |",
-            f"| both at once | {report['both_ms']:.2f} |",
+            f"| both at once, every rank | {report['both_ms']:.2f} |",
+            f"| both at once, beside a peer that only exchanges | {report['beside_idle_ms']:.2f} |",
             "",
             "hidden fraction of the exchange, (exchange + step - both) / exchange, round by "
-            f"round, median (min-max): {format_spread(hidden, '.2f')}",
+            f"round, median (min-max): every rank computing {format_spread(hidden, '.2f')}; "
+            f"beside an idle peer {format_spread(beside_idle, '.2f')}",
         ]
     )

@@ -6,13 +6,17 @@ the same size with its AdamW optimizer. It times, alternating, ``repeats`` round
 - ``exchange``: lazy redundancy's ring exchange (``redundancy.ReplicaGradRecv``): send the
   gradient to the predecessor and receive the successor's, posted together and waited for;
 - ``step``: the replica's AdamW step over the same number of elements;
-- ``both``: the exchange posted, the step run, then the exchange waited for.
+- ``both``: the exchange posted, the step run, then the exchange waited for;
+- ``beside_idle``: the same on even ranks, while odd ranks only exchange: the exchange
+  beside a peer that is otherwise idle, as in a pipeline bubble (with 2 ranks, rank 0
+  computes and rank 1 waits).
 
 When ``both`` takes ``step`` alone, the exchange hid behind compute (its bytes moved by
 hardware that was otherwise idle: a GPU's copy engines and network). When it takes
 ``exchange + step``, the transfer competes with compute for the same cores (a CPU host's
 TCP copies) and only idle time could absorb it. Rank 0 writes the medians and each
-round's hidden fraction ``(exchange + step - both) / exchange`` to ``--output`` as JSON.
+round's hidden fraction ``(exchange + step - both) / exchange`` (and the same with
+``beside_idle``), all timed on rank 0, an even rank, to ``--output`` as JSON.
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ def main() -> None:
         "exchange": lambda: finish(post()),
         "step": optimizer.step,
         "both": both,
+        "beside_idle": both if rank % 2 == 0 else lambda: finish(post()),
     }
     for fn in variants.values():  # warm-up: connections, allocations, the optimizer state
         fn()
@@ -104,7 +109,11 @@ def main() -> None:
         raise SystemExit(f"rank {rank}: the exchange did not deliver rank {successor}'s gradient")
     ms = timed_rounds(variants, args.repeats, cuda)
     if rank == 0:
-        rounds = zip(ms["exchange"], ms["step"], ms["both"], strict=True)
+
+        def hidden(variant: str) -> list[float]:
+            rounds = zip(ms["exchange"], ms["step"], ms[variant], strict=True)
+            return [(e + s - b) / e for e, s, b in rounds]
+
         report = {
             "ranks": world,
             "elements": args.elements,
@@ -112,7 +121,8 @@ def main() -> None:
             "device": args.device,
             "backend": dist.get_backend(),
             **{f"{name}_ms": statistics.median(t) for name, t in ms.items()},
-            "hidden_fractions": [(e + s - b) / e for e, s, b in rounds],
+            "hidden_fractions": hidden("both"),
+            "hidden_fractions_beside_idle": hidden("beside_idle"),
             "rounds_ms": ms,
             # Each direction of the ring carries one stage's gradient.
             "bytes_sent_per_rank": gradient.numel() * gradient.element_size(),
