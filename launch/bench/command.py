@@ -23,7 +23,8 @@ variants: a Markdown table on stdout and the whole record in ``<output>/bench-<n
 own output directory and logs stay under ``<output>/<name>/``. One module per benchmark
 (:mod:`~spotline.launch.bench.foundation`, :mod:`~spotline.launch.bench.redundancy`,
 :mod:`~spotline.launch.bench.recovery`, :mod:`~spotline.launch.bench.reduce`,
-:mod:`~spotline.launch.bench.overlap`, :mod:`~spotline.launch.bench.easyscale`); this one parses the command line and dispatches.
+:mod:`~spotline.launch.bench.overlap`, :mod:`~spotline.launch.bench.easyscale`); this one
+parses the command line and dispatches.
 """
 
 from __future__ import annotations

@@ -91,16 +91,19 @@ def main() -> None:
         for work in works:
             work.wait()
 
+    def exchange() -> None:
+        finish(post())
+
     def both() -> None:
         works = post()
         optimizer.step()
         finish(works)
 
     variants: dict[str, Callable[[], None]] = {
-        "exchange": lambda: finish(post()),
+        "exchange": exchange,
         "step": optimizer.step,
         "both": both,
-        "beside_idle": both if rank % 2 == 0 else lambda: finish(post()),
+        "beside_idle": both if rank % 2 == 0 else exchange,
     }
     for fn in variants.values():  # warm-up: connections, allocations, the optimizer state
         fn()
