@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,13 +86,20 @@ class LoweredSchedule:
     hosted logical workers); instructions hold only their kwargs, so every step iterates the
     same objects."""
 
-    def __init__(self, schedule: plan.Schedule, position: int, num_hosted: int) -> None:
+    def __init__(
+        self,
+        schedule: plan.Schedule,
+        position: int,
+        num_hosted: int,
+        *,
+        send_untied_early: bool = False,
+    ) -> None:
         self.schedule = schedule
         self.position = position
-        self._steps = [
-            [INSTRUCTIONS[name](**kwargs) for name, kwargs in step]
-            for step in plan.lower_logical_step(schedule, position, num_hosted)
-        ]
+        lowered = plan.lower_logical_step(
+            schedule, position, num_hosted, send_untied_early=send_untied_early
+        )
+        self._steps = [[INSTRUCTIONS[name](**kwargs) for name, kwargs in step] for step in lowered]
 
     def num_pipe_buffers(self) -> int:
         return plan.num_pipe_buffers(
@@ -101,6 +108,20 @@ class LoweredSchedule:
 
     def __iter__(self) -> Iterator[list[PipeInstruction]]:
         return iter(self._steps)
+
+
+def untied_prefix(params: Sequence[tuple[str, int]], tied: Collection[str]) -> int | None:
+    """How many flat gradient elements (``params``: names and sizes, in order) come before a
+    stage's tied copies, where those follow all its other parameters (the last stage's LM
+    head): the gradients already final while the tied reduction waits. None where no such
+    split exists: no tied parameter, only tied ones, or tied ones among the others."""
+    flags = [name in tied for name, _ in params]
+    if True not in flags:
+        return None
+    first = flags.index(True)
+    if first == 0 or not all(flags[first:]):
+        return None
+    return sum(numel for _, numel in params[:first])
 
 
 @dataclass(frozen=True)
@@ -173,8 +194,35 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
     def _train_schedule(self) -> LoweredSchedule:
         num_hosted = len(self.hosted_logical_workers)
         if num_hosted not in self._lowered:
-            self._lowered[num_hosted] = LoweredSchedule(self._plan, self.stage_id, num_hosted)
+            self._lowered[num_hosted] = LoweredSchedule(
+                self._plan,
+                self.stage_id,
+                num_hosted,
+                send_untied_early=self._sends_untied_early(),
+            )
         return self._lowered[num_hosted]
+
+    def _sends_untied_early(self) -> bool:
+        """Whether the step's last logical worker reduces and sends its untied gradients
+        before the tied reduction (``plan.lower_logical_step``): only a stage that sends
+        its gradients to a replica does (a subclass's)."""
+        return False
+
+    def grad_span(self, part: plan.GradPart) -> tuple[int, int]:
+        """The flat gradient elements (``LogicalGradients``' order) ``part`` covers."""
+        numel = self.logical_gradients.numel
+        if part is plan.GradPart.ALL:
+            return (0, numel)
+        split = self.untied_elements
+        assert split is not None, f"{part.name} on a stage without a tied suffix"
+        return (0, split) if part is plan.GradPart.UNTIED else (split, numel)
+
+    @property
+    def untied_elements(self) -> int | None:
+        """``untied_prefix`` of this stage's parameters (``LogicalGradients``' order)."""
+        tied = {name for pair in self.tied_pairs for name in (pair.original, pair.copy)}
+        named = [(n, p.numel()) for n, p in self.module.named_parameters() if p.requires_grad]
+        return untied_prefix(named, tied)
 
     def train_step(self, *, seed: int, step: int) -> float:
         """Run optimizer step ``step`` for every hosted logical worker; returns the mean loss
@@ -232,13 +280,16 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
         self.total_loss = None
         self._logical_t0 = time.perf_counter()
 
-    def _exec_keep_logical_gradients(self, index: int) -> None:
+    def _exec_keep_logical_gradients(self, index: int, part: int = plan.GradPart.ALL) -> None:
         worker = self.hosted_logical_workers[index]
         # The step's last logical worker: ReduceGrads follows and replaces the gradients
         # with views of the sum (a failed step is run again by a new engine, on fresh
         # gradients), so they need no zeroing.
         last = index == len(self.hosted_logical_workers) - 1
-        self.logical_gradients.keep(worker, zero=not last)
+        which = plan.GradPart(part)
+        self.logical_gradients.keep(worker, zero=not last, span=self.grad_span(which))
+        if which is plan.GradPart.UNTIED:
+            return  # the worker's loss and time are recorded with its last part
         if self.is_last_stage():
             assert self.total_loss is not None
             # DeepSpeed's own scaling of the summed micro-batch losses (divided by their count).
@@ -247,10 +298,12 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
         if self.on_logical_worker_done is not None:
             self.on_logical_worker_done(worker, time.perf_counter() - self._logical_t0)
 
-    def _exec_reduce_grads(self) -> None:
+    def _exec_reduce_grads(self, part: int = plan.GradPart.ALL) -> None:
         """The exact mean over every logical worker of the job (replaces DeepSpeed's float
         all-reduce, whose result depends on how many processes take part)."""
-        self.logical_gradients.reduce(group=self.grid.get_data_parallel_group())
+        self.logical_gradients.reduce(
+            group=self.grid.get_data_parallel_group(), span=self.grad_span(plan.GradPart(part))
+        )
 
     def _aggregate_total_loss(self) -> torch.Tensor:
         """The step's loss, as DeepSpeed's ``train_batch`` asks for it after the schedule:

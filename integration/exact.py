@@ -39,6 +39,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from itertools import accumulate
 
 import torch
 import torch.distributed as dist
@@ -343,32 +344,46 @@ class LogicalGradients:
         assert all(p.dtype == self.dtype for p in self.params), "one gradient dtype"
         self._buffers: list[torch.Tensor] = []
         self._total: torch.Tensor | None = None
+        # Each parameter's first element in the flat gradient.
+        self._offsets = list(accumulate((p.numel() for p in self.params), initial=0))[:-1]
 
-    def keep(self, logical_worker: int, *, zero: bool = True) -> None:
+    def keep(
+        self, logical_worker: int, *, zero: bool = True, span: tuple[int, int] | None = None
+    ) -> None:
         """Move the current gradients out as ``logical_worker``'s and zero them.
 
         ``zero=False`` for a step's last logical worker, when :meth:`reduce` follows and a
         failed step is not run again on these gradients (the pipeline engine's): reduce
         replaces every gradient with a view of the sum, so nothing reads or adds to them
-        again, and zeroing them would be a pass over the whole gradient for nothing."""
+        again, and zeroing them would be a pass over the whole gradient for nothing.
+
+        ``span``: only the parameters in these flat elements (whole parameters, in order),
+        so a part can be reduced while another is not final yet. The first span starts at
+        0; the others continue the logical worker kept last."""
         if not 0 <= logical_worker < self.num_logical_workers:
             raise ValueError(
                 f"logical worker {logical_worker} not in 0..{self.num_logical_workers - 1}"
             )
-        if any(w == logical_worker for w, _ in self.kept):
-            raise ValueError(f"logical worker {logical_worker} ran twice in one step")
-        flat = self._buffer(len(self.kept))
-        offset = 0
-        for p in self.params:
+        start, stop = span if span is not None else (0, self.numel)
+        if start == 0:
+            if any(w == logical_worker for w, _ in self.kept):
+                raise ValueError(f"logical worker {logical_worker} ran twice in one step")
+            flat = self._buffer(len(self.kept))
+            self.kept.append((logical_worker, flat))
+        else:
+            assert self.kept and self.kept[-1][0] == logical_worker, "a later span of another"
+            flat = self.kept[-1][1]
+        for p, offset in zip(self.params, self._offsets, strict=True):
             n = p.numel()
+            if not start <= offset < stop:
+                continue
+            assert offset + n <= stop, f"span {span} cuts a parameter"
             if p.grad is None:
                 flat[offset : offset + n].zero_()
             else:
                 flat[offset : offset + n].copy_(p.grad.detach().reshape(-1))
                 if zero:
                     p.grad.zero_()
-            offset += n
-        self.kept.append((logical_worker, flat))
 
     def _buffer(self, index: int) -> torch.Tensor:
         """The flat gradient buffer of the ``index``-th kept logical worker of a step.
@@ -380,34 +395,44 @@ class LogicalGradients:
             self._buffers.append(torch.empty(self.numel, dtype=self.dtype))
         return self._buffers[index]
 
-    def reduce(self, group: dist.ProcessGroup | None = None, *, local: bool = False) -> None:
+    def reduce(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        local: bool = False,
+        span: tuple[int, int] | None = None,
+    ) -> None:
         """Set every parameter's gradient to the mean over all logical workers, exactly.
 
         Collective over ``group`` (the data-parallel group): every process must call it with
         its own kept logical workers. Raises NonFiniteGradient (on every process) before
         anything is written when a logical worker's gradient holds NaN or Inf. ``local``:
         this process's kept logical workers only, no communication (see :func:`exact_sum`).
+        ``span``: only the parameters in these flat elements, kept with the same span (the
+        sum is elementwise, so the parts reduced apart give the whole's bits); the kept
+        gradients are dropped with the span that ends the flat gradient.
         """
         assert self.kept, "reduce() before any logical worker was kept"
+        start, stop = span if span is not None else (0, self.numel)
         if self._total is None and self.dtype == torch.float32:
             self._total = torch.empty(self.numel, dtype=torch.float32)
         try:
             # One multiplication after the exact sum: the same bits on every process.
             total = exact_sum(
-                self.kept,
+                [(w, flat[start:stop]) for w, flat in self.kept],
                 num_logical_workers=self.num_logical_workers,
                 group=group,
                 local=local,
-                out=self._total,
+                out=None if self._total is None else self._total[start:stop],
                 scale=1.0 / self.num_logical_workers,
             )
-        finally:
+        except BaseException:
+            self.kept = []  # the step failed: none of its gradients is reduced again
+            raise
+        if stop == self.numel:
             self.kept = []
         # The gradients become views of the sum (no copy): keep() copies them out and zeroes
         # them before the next reduce writes the buffer again.
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad = total[offset : offset + n].view_as(p)
-            offset += n
-        assert offset == total.numel()
+        for p, offset in zip(self.params, self._offsets, strict=True):
+            if start <= offset < stop:
+                p.grad = total[offset - start : offset - start + p.numel()].view_as(p)

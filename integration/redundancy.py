@@ -53,6 +53,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -60,7 +61,13 @@ import torch.distributed as dist
 from deepspeed.runtime.pipe.schedule import PipeInstruction
 
 from spotline.clipping import apply_clip
-from spotline.engine import INSTRUCTIONS, Batch, SpotlinePipelineEngine, rebind_instruction_map
+from spotline.engine import (
+    INSTRUCTIONS,
+    Batch,
+    SpotlinePipelineEngine,
+    rebind_instruction_map,
+    untied_prefix,
+)
 from spotline.exact import LogicalGradients
 from spotline.lr_schedule import constructor_hyper
 from spotline.memory import model_state_bytes
@@ -124,6 +131,12 @@ def joined_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
     return first.detach().as_strided((offset - first.storage_offset(),), (1,))
 
 
+# The replica exchange's own tag. Its receive is posted early, while DeepSpeed's activations
+# and gradients (tag 0) still pass between the same two ranks: gloo gives a receive the first
+# message of its tag from that rank, so with a shared tag it would take one of those.
+REPLICA_GRAD_TAG = 1
+
+
 class StashOutput(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
     """Keep a detached copy of this stage's forward output for micro-batch ``micro_batch_id``.
 
@@ -157,18 +170,28 @@ class RedundantForward(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is u
     """
 
 
-class ReplicaGradSend(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
-    """Post the send of this stage's reduced gradients to its replica holder (predecessor).
+class ReplicaGradPost(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
+    """Post the receive of the successor's reduced gradients into the replica's buffer.
 
-    Pairs with ReplicaGradRecv on the predecessor in the same step; the two run as one batch.
-    After ReduceGrads (the gradients are final, unclipped) and before OptimizerStep zeroes them.
+    Once a step, as soon as the buffer is free (after the ReplicaStep that applies the
+    previous update): the gradients then arrive whenever the successor sends them, while
+    this stage still computes, and ReplicaGradRecv only waits.
+    """
+
+
+class ReplicaGradSend(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
+    """Post the send of this stage's reduced gradients (``part``: all, or the untied or tied
+    ones, ``plan.GradPart``) to its replica holder (predecessor), into the receive the
+    holder posted. After their ReduceGrads (final, unclipped), before OptimizerStep zeroes
+    them.
     """
 
 
 class ReplicaGradRecv(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
-    """Receive the successor's reduced gradients into the replica; completes the ring batch.
-
-    Pairs with ReplicaGradSend on the successor. Followed by ReplicaStep.
+    """Wait for the successor's reduced gradients (ReplicaGradPost's receive) and for this
+    stage's own sends; the replica's gradients are then the received ones. Before the
+    commit, which needs every holder to hold its successor's final gradients. Followed by
+    ReplicaStep.
     """
 
 
@@ -189,6 +212,7 @@ INSTRUCTIONS.update(
             StashInputGrad,
             ReplicaLoad,
             RedundantForward,
+            ReplicaGradPost,
             ReplicaGradSend,
             ReplicaGradRecv,
             ReplicaStep,
@@ -276,6 +300,12 @@ class Replica:
         del layers
         self.named_params = named
         self.params = [p for _, p in self.named_params]
+        numel = sum(p.numel() for p in self.params)
+        tied = {name for pair in engine.tied_pairs for name in (pair.original, pair.copy)}
+        split = None if shards > 1 else untied_prefix([(n, p.numel()) for n, p in named], tied)
+        # The owner's messages (its ``_message_spans``): the gradients before its tied
+        # copies apart from those, where it has such a suffix, else one.
+        self.message_spans = [(0, numel)] if split is None else [(0, split), (split, numel)]
         opt = engine.optimizer
         # The owner's optimizer class and hyper-parameters.
         self.optimizer = type(opt)(self.params, **constructor_hyper(opt))
@@ -412,7 +442,10 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         self.replica_pending: PendingReplicaStep | None = None
         self.stash = StepStash()
         self.replica_grads_from = "owner"  # or "replay": a test of the takeover path
-        self._pending_send: dist.P2POp | None = None
+        # The replica exchange in flight: this stage's sends (with the tensors they read)
+        # and the receive ReplicaGradPost posted; ReplicaGradRecv waits for both.
+        self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._posted_recvs: list[dist.Work] = []
         self._replica_recv: torch.Tensor | None = None
         self.redundant_s = 0.0
         self.replica_sync_s = 0.0
@@ -580,24 +613,27 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         super()._exec_reduce_tied_grads()
 
     # -- replica synchronisation ------------------------------------------------------------
-    def _exec_replica_grad_send(self) -> None:
-        t0 = time.perf_counter()
-        if self.held_by_predecessor is None:
-            # Module order, as the replica lists its parameters.
-            grads = [_grad(p).reshape(-1) for p in self.module.parameters()]
-        else:
-            # A sharded replica's holder gets only its pieces' gradients, in their order.
-            params = dict(self.module.named_parameters())
-            grads = [piece_of(_grad(params[x.name]), x) for x in self.held_by_predecessor]
-        # Sent from the sum's buffer itself where the gradients are its views in this order
-        # (whole replicas): nothing writes them before ReplicaGradRecv waits for the send.
-        joined = joined_view(grads)
-        flat = joined if joined is not None else torch.cat(grads)
-        self._pending_send = dist.P2POp(dist.isend, flat, self._peer(self.stage_id - 1))
-        self.replica_sync_s += time.perf_counter() - t0
+    def _sends_untied_early(self) -> bool:
+        # A sharded replica's holder takes its pieces in one message, after every reduction.
+        return (
+            self.replica is not None
+            and self.held_by_predecessor is None
+            and self.untied_elements is not None
+        )
 
-    def _exec_replica_grad_recv(self) -> None:
-        assert self.replica is not None and self._pending_send is not None
+    def _message_spans(self, part: plan.GradPart) -> list[tuple[int, int]]:
+        """The flat gradient elements of each message this stage sends for ``part``: the
+        untied and the tied ones apart where it has a tied suffix (the holder's receives,
+        ``Replica.message_spans``, are the same), else one message."""
+        if self.held_by_predecessor is not None or self.untied_elements is None:
+            assert part is plan.GradPart.ALL, part
+            return [self.grad_span(plan.GradPart.ALL)]
+        if part is plan.GradPart.ALL:
+            return [self.grad_span(plan.GradPart.UNTIED), self.grad_span(plan.GradPart.TIED)]
+        return [self.grad_span(part)]
+
+    def _exec_replica_grad_post(self) -> None:
+        assert self.replica is not None and not self._posted_recvs
         # The previous update must be applied before this exchange overwrites its gradients
         # (the schedule's rule replica-step-before-exchange).
         assert self.replica_pending is None, "the replica's previous update was never applied"
@@ -608,13 +644,46 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         flat = self._replica_recv
         if flat is None or flat.numel() != numel:
             flat = self._replica_recv = torch.empty(numel, dtype=self.replica.params[0].dtype)
-        recv = dist.P2POp(dist.irecv, flat, self._peer(self.stage_id + 1))
-        # Every stage sends to its predecessor and receives from its successor at once:
-        # batching the pair avoids a ring of blocked sends.
-        for work in dist.batch_isend_irecv([self._pending_send, recv]):
+        successor = self._peer(self.stage_id + 1)
+        for start, stop in self.replica.message_spans:
+            work = dist.irecv(flat[start:stop], successor, tag=REPLICA_GRAD_TAG)
+            assert work is not None  # the world group: every rank is in it
+            self._posted_recvs.append(work)
+        self.replica_sync_s += time.perf_counter() - t0
+
+    def _exec_replica_grad_send(self, part: int = plan.GradPart.ALL) -> None:
+        t0 = time.perf_counter()
+        predecessor = self._peer(self.stage_id - 1)
+        if self.held_by_predecessor is not None:
+            # A sharded replica's holder gets only its pieces' gradients, in their order.
+            params = dict(self.module.named_parameters())
+            pieces = [piece_of(_grad(params[x.name]), x) for x in self.held_by_predecessor]
+            messages = [pieces]
+        else:
+            # Module order, as the replica lists its parameters.
+            grads = [_grad(p).reshape(-1) for p in self.module.parameters()]
+            offsets = list(accumulate((g.numel() for g in grads), initial=0))
+            messages = [
+                [g for g, offset in zip(grads, offsets[:-1], strict=True) if start <= offset < stop]
+                for start, stop in self._message_spans(plan.GradPart(part))
+            ]
+        for tensors in messages:
+            # Sent from the sum's buffer itself where the gradients are its views in this
+            # order (whole replicas): nothing writes them before ReplicaGradRecv waits.
+            joined = joined_view(tensors)
+            flat = joined if joined is not None else torch.cat(tensors)
+            work = dist.isend(flat, predecessor, tag=REPLICA_GRAD_TAG)
+            assert work is not None  # the world group: every rank is in it
+            self._pending_sends.append((work, flat))
+        self.replica_sync_s += time.perf_counter() - t0
+
+    def _exec_replica_grad_recv(self) -> None:
+        assert self.replica is not None and self._posted_recvs and self._pending_sends
+        t0 = time.perf_counter()
+        for work in [*self._posted_recvs, *(work for work, _ in self._pending_sends)]:
             work.wait()
-        self._pending_send = None
-        self.replica.flat_grads = flat
+        self._posted_recvs, self._pending_sends = [], []
+        self.replica.flat_grads = self._replica_recv
         self.replica_sync_s += time.perf_counter() - t0
         if self.replica_grads_from == "replay":
             self.exchange_replay_inputs()
@@ -819,6 +888,7 @@ RedundantPipelineEngine._INSTRUCTION_MAP.update(
         StashInputGrad: RedundantPipelineEngine._exec_stash_input_grad,
         ReplicaLoad: RedundantPipelineEngine._exec_replica_load,
         RedundantForward: RedundantPipelineEngine._exec_redundant_forward,
+        ReplicaGradPost: RedundantPipelineEngine._exec_replica_grad_post,
         ReplicaGradSend: RedundantPipelineEngine._exec_replica_grad_send,
         ReplicaGradRecv: RedundantPipelineEngine._exec_replica_grad_recv,
         ReplicaStep: RedundantPipelineEngine._exec_replica_step,

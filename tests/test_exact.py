@@ -217,3 +217,56 @@ def test_reduced_gradients_are_sent_from_the_sum_s_buffer_without_a_copy() -> No
     middle = joined_view([grads[0][6:], grads[1]])
     assert middle is not None and middle.data_ptr() == grads[0][6:].data_ptr()
     assert torch.equal(middle, torch.cat([grads[0][6:], grads[1]]))
+
+
+def test_a_gradient_kept_and_reduced_in_two_spans_has_the_whole_s_bits() -> None:
+    """The last logical worker's untied gradients are reduced before its tied ones are final
+    (``plan.GradPart``): the sum is elementwise, so the two spans give the bits of one."""
+    from spotline.exact import LogicalGradients
+
+    shapes = ((3, 4), (5,), (2, 2, 2), (7,))
+    split = 12 + 5  # the first two parameters are untied
+    torch.manual_seed(0)
+    grads = [[torch.randn(shape) for shape in shapes] for _ in range(3)]
+    # The tied reduction changes the last worker's tied gradients after its untied ones
+    # were kept and reduced.
+    tied_final = [g * 3.0 for g in grads[2][2:]]
+
+    def run(split_last: bool) -> torch.Tensor:
+        params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+        logical = LogicalGradients(params, num_logical_workers=3)
+        for worker in (0, 1):
+            for p, g in zip(params, grads[worker], strict=True):
+                p.grad = g.clone()
+            logical.keep(worker)
+        for p, g in zip(params, grads[2], strict=True):
+            p.grad = g.clone()
+        if split_last:
+            logical.keep(2, zero=False, span=(0, split))
+            logical.reduce(local=True, span=(0, split))
+            assert logical.kept
+        for p, g in zip(params[2:], tied_final, strict=True):
+            p.grad = g.clone()
+        if split_last:
+            logical.keep(2, zero=False, span=(split, 32))
+            logical.reduce(local=True, span=(split, 32))
+        else:
+            logical.keep(2, zero=False)
+            logical.reduce(local=True)
+        assert not logical.kept  # dropped with the span that ends the gradient
+        return torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+
+    assert torch.equal(run(split_last=True), run(split_last=False))
+    with pytest.raises(AssertionError, match="cuts a parameter"):
+        LogicalGradients([torch.nn.Parameter(torch.zeros(4))], 1).keep(0, span=(0, 2))
+
+
+def test_only_a_tied_suffix_after_untied_parameters_splits_a_stage() -> None:
+    from spotline.engine import untied_prefix
+
+    params = [("3.a", 4), ("3.b", 5), ("4.head", 6)]
+    assert untied_prefix(params, {"4.head", "0.wte"}) == 9
+    assert untied_prefix(params, set()) is None  # nothing tied
+    assert untied_prefix(params, {"3.a", "3.b", "4.head"}) is None  # nothing before it
+    assert untied_prefix(params, {"3.a"}) is None  # stage 0's: tied first
+    assert untied_prefix(params, {"3.b"}) is None  # tied among the others

@@ -555,13 +555,66 @@ def test_a_pipeline_runs_each_hosted_logical_worker_through_the_whole_body(
         for index in range(num_hosted):
             # The previous step's replica update (lazy, in a bubble): once, in the first.
             copy = [n for n in body if index == 0 or n != "ReplicaStep"]
+            if index == 0 and "ReplicaGradRecv" in tail:
+                # The receive is posted once, as soon as that update freed its buffer.
+                at = copy.index("ReplicaStep") + 1 if "ReplicaStep" in copy else 0
+                copy.insert(at, "ReplicaGradPost")
             expected += ["BeginLogicalWorker", *copy, "ReduceTiedGrads", "KeepLogicalGradients"]
         expected += tail[1:]  # the step's one reduction, replica exchange and optimizer steps
         assert _names(logical) == expected
+        assert ("ReplicaGradPost" in expected) == (mode != "off" and num_stages > 1)
         begins = [kw["index"] for step in logical for n, kw in step if n == "BeginLogicalWorker"]
         keeps = [kw["index"] for step in logical for n, kw in step if n == "KeepLogicalGradients"]
         assert begins == keeps == list(range(num_hosted))
         assert len(logical) == num_hosted * len(plain)  # k times the lock-step length
+
+
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+@pytest.mark.parametrize("num_hosted", [1, 3])
+def test_a_tied_suffix_is_reduced_and_sent_in_two_parts_around_the_tied_reduction(
+    mode, num_hosted
+) -> None:
+    """The last logical worker's untied gradients are kept, reduced and sent before the
+    ReduceTiedGrads that waits for the tied partner, the tied ones after it; the receive is
+    posted once, before either arrives; earlier logical workers are unchanged."""
+    from spotline.plan.schedule import GradPart, lower_logical_step
+
+    schedule = add_redundancy(train_schedule(2, 3), mode)
+    plain = lower_logical_step(schedule, 1, num_hosted)
+    early = lower_logical_step(schedule, 1, num_hosted, send_untied_early=True)
+    flat = [(n, kw) for step in early for n, kw in step]
+    last_begin = max(i for i, (n, _) in enumerate(flat) if n == "BeginLogicalWorker")
+    untied, tied = {"part": GradPart.UNTIED}, {"part": GradPart.TIED}
+    start = flat.index(("KeepLogicalGradients", {"index": num_hosted - 1, **untied}))
+    assert flat[start:] == [
+        ("KeepLogicalGradients", {"index": num_hosted - 1, **untied}),
+        ("ReduceGrads", untied),
+        ("ReplicaGradSend", untied),
+        ("ReduceTiedGrads", {}),
+        ("KeepLogicalGradients", {"index": num_hosted - 1, **tied}),
+        ("ReduceGrads", tied),
+        ("ReplicaGradSend", tied),
+        ("ReplicaGradRecv", {}),
+        ("OptimizerStep", {}),
+        # eager: the replica's step follows the commit (its redundant forwards read it)
+        *([("ReplicaStep", {})] if mode == "eager" else []),
+    ]
+    tail = [n for n, _ in flat[last_begin:]]
+    assert tail.index("ReplicaGradSend") < tail.index("ReduceTiedGrads")
+    assert [n for n, _ in flat].count("ReplicaGradPost") == 1
+    assert [n for n, _ in flat].index("ReplicaGradPost") < [n for n, _ in flat].index(
+        "ReplicaGradSend"
+    )
+    # Everything before the last logical worker's end is as without the split.
+    plain_flat = [(n, kw) for step in plain for n, kw in step]
+    cut = [n for n, _ in plain_flat].index("ReduceTiedGrads", last_begin)
+    assert flat[:cut] == plain_flat[:cut]
+    assert len(early) == len(plain)  # the same lock-step length
+    # Without a replica exchange there is nothing to send early.
+    off = add_redundancy(train_schedule(2, 3), "off")
+    assert lower_logical_step(off, 1, num_hosted, send_untied_early=True) == lower_logical_step(
+        off, 1, num_hosted
+    )
 
 
 def test_a_pipeline_hosting_no_logical_worker_is_refused() -> None:

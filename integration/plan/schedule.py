@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from enum import Enum
+from enum import Enum, IntEnum
 from typing import Literal
 
 RedundancyMode = Literal["off", "lazy", "eager"]
@@ -892,11 +892,22 @@ def lower(schedule: Schedule, position: int) -> list[list[tuple[str, dict[str, i
 
 BEGIN_LOGICAL_WORKER = "BeginLogicalWorker"
 KEEP_LOGICAL_GRADIENTS = "KeepLogicalGradients"
+REPLICA_GRAD_POST = "ReplicaGradPost"
 _TAIL_NAMES = frozenset(_INSTRUCTION_NAMES[kind] for kind in _TAIL)
 
 
+class GradPart(IntEnum):
+    """Which of a stage's gradients an end-of-step instruction covers (its ``part``
+    kwarg): all of them, or, where a stage's tied copies come after all its other
+    parameters, the ``UNTIED`` ones before them and the ``TIED`` ones."""
+
+    ALL = 0
+    UNTIED = 1
+    TIED = 2
+
+
 def lower_logical_step(
-    schedule: Schedule, position: int, num_hosted: int
+    schedule: Schedule, position: int, num_hosted: int, *, send_untied_early: bool = False
 ) -> list[list[tuple[str, dict[str, int]]]]:
     """One optimizer step of a pipeline that hosts ``num_hosted`` logical workers (EasyScale).
 
@@ -910,8 +921,18 @@ def lower_logical_step(
     worker of the job), the replica's exchange and the optimizer steps. A ``ReplicaStep`` in
     the body (the previous step's update, in a bubble) runs in the first copy only.
 
-    With one hosted logical worker this is :func:`lower` plus the two bookkeeping
-    instructions. Pure: the runtime executes the list in order, step after step.
+    A schedule with a replica exchange also gets ``ReplicaGradPost`` once, in the first
+    copy: the receive of the successor's gradients, posted as soon as the replica's buffer
+    is free (right after the ``ReplicaStep`` in the body, else at the step's start), so they
+    arrive whenever the successor sends them and ``ReplicaGradRecv`` only waits.
+
+    ``send_untied_early`` (a position whose tied copies are its last parameters): the last
+    logical worker keeps, reduces and sends its other gradients (``part`` UNTIED) before its
+    ``ReduceTiedGrads``, which waits for the tied partner's backward passes, and the tied
+    ones (``part`` TIED) after it. A no-op without a replica exchange.
+
+    With one hosted logical worker this is :func:`lower` plus the bookkeeping instructions.
+    Pure: the runtime executes the list in order, step after step.
     """
     if num_hosted < 1:
         raise ValueError(f"a pipeline must host at least one logical worker, got {num_hosted}")
@@ -925,13 +946,45 @@ def lower_logical_step(
     reduce_tied = _INSTRUCTION_NAMES[ActionKind.REDUCE_TIED_GRADS]
     assert tail and tail[0][0] == reduce_tied, f"unexpected end of batch {tail}"
     replica_step = _INSTRUCTION_NAMES[ActionKind.REPLICA_STEP]
+    send = _INSTRUCTION_NAMES[ActionKind.REPLICA_GRAD_SEND]
+    reduce = _INSTRUCTION_NAMES[ActionKind.REDUCE_GRADS]
+    exchanges = any(name == _INSTRUCTION_NAMES[ActionKind.REPLICA_GRAD_RECV] for name, _ in tail)
     out: list[list[tuple[str, dict[str, int]]]] = []
     for index in range(num_hosted):
         # A ReplicaStep in the body applies the previous optimizer step's update: once, in
         # the first hosted logical worker's bubble.
         steps = [[x for x in step if index == 0 or x[0] != replica_step] for step in body]
         steps[0].insert(0, (BEGIN_LOGICAL_WORKER, {"index": index}))
-        steps[-1] += [(reduce_tied, {}), (KEEP_LOGICAL_GRADIENTS, {"index": index})]
+        if index == 0 and exchanges:
+            _insert_post(steps, replica_step)
+        early = send_untied_early and exchanges and index == num_hosted - 1
+        if early:
+            untied = {"part": GradPart.UNTIED.value}
+            steps[-1] += [
+                (KEEP_LOGICAL_GRADIENTS, {"index": index, **untied}),
+                (reduce, dict(untied)),
+                (send, dict(untied)),
+                (reduce_tied, {}),
+                (KEEP_LOGICAL_GRADIENTS, {"index": index, "part": GradPart.TIED.value}),
+            ]
+        else:
+            steps[-1] += [(reduce_tied, {}), (KEEP_LOGICAL_GRADIENTS, {"index": index})]
         out += steps
-    out[-1] += tail[1:]
+    rest = tail[1:]
+    if send_untied_early and exchanges:
+        tied = {"part": GradPart.TIED.value}
+        rest = [(name, dict(tied)) if name in (reduce, send) else (name, kw) for name, kw in rest]
+    out[-1] += rest
     return out
+
+
+def _insert_post(steps: list[list[tuple[str, dict[str, int]]]], replica_step: str) -> None:
+    """Put ``ReplicaGradPost`` right after the body's ``ReplicaStep``, else first after
+    ``BeginLogicalWorker``: the receive needs the replica's buffer, which the gradients of
+    the update still to apply use until that step drops them."""
+    for step in steps:
+        for order, (name, _) in enumerate(step):
+            if name == replica_step:
+                step.insert(order + 1, (REPLICA_GRAD_POST, {}))
+                return
+    steps[0].insert(1, (REPLICA_GRAD_POST, {}))
