@@ -217,13 +217,6 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
         assert split is not None, f"{part.name} on a stage without a tied suffix"
         return (0, split) if part is plan.GradPart.UNTIED else (split, numel)
 
-    @property
-    def untied_elements(self) -> int | None:
-        """``untied_prefix`` of this stage's parameters (``LogicalGradients``' order)."""
-        tied = {name for pair in self.tied_pairs for name in (pair.original, pair.copy)}
-        named = [(n, p.numel()) for n, p in self.module.named_parameters() if p.requires_grad]
-        return untied_prefix(named, tied)
-
     def train_step(self, *, seed: int, step: int) -> float:
         """Run optimizer step ``step`` for every hosted logical worker; returns the mean loss
         over all logical workers of the job (the same on every rank)."""
@@ -396,6 +389,12 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
                     )
                 )
         self.tied_copy_names = {pair.copy for pair in self.tied_pairs}
+        # Both sides of every pair, by global name (the replica's parameters use them too).
+        self.tied_names = {name for pair in self.tied_pairs for name in (pair.original, pair.copy)}
+        named = [(n, p.numel()) for n, p in self.module.named_parameters() if p.requires_grad]
+        # ``untied_prefix`` of this stage's parameters (``LogicalGradients``' order): the
+        # parameters never change, so it is found once, not at every end-of-step instruction.
+        self.untied_elements = untied_prefix(named, self.tied_names)
         self._tied_groups: dict[str, Any] = {}
         for pair in self.tied_pairs:
             stage_a = self.stage_of_layer(pair.original_layer)

@@ -301,8 +301,11 @@ class Replica:
         self.named_params = named
         self.params = [p for _, p in self.named_params]
         numel = sum(p.numel() for p in self.params)
-        tied = {name for pair in engine.tied_pairs for name in (pair.original, pair.copy)}
-        split = None if shards > 1 else untied_prefix([(n, p.numel()) for n, p in named], tied)
+        split = (
+            None
+            if shards > 1
+            else untied_prefix([(n, p.numel()) for n, p in named], engine.tied_names)
+        )
         # The owner's messages (its ``_message_spans``): the gradients before its tied
         # copies apart from those, where it has such a suffix, else one.
         self.message_spans = [(0, numel)] if split is None else [(0, split), (split, numel)]
