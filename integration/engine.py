@@ -186,8 +186,12 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
             raise ValueError(f"hosted {hosted} not in 0..{num_logical_workers - 1}")
         self.num_logical_workers = num_logical_workers
         self.hosted_logical_workers = tuple(hosted)
-        self.logical_gradients = LogicalGradients(
-            [p for p in self.module.parameters() if p.requires_grad], num_logical_workers
+        trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        self.logical_gradients = LogicalGradients([p for _, p in trainable], num_logical_workers)
+        # ``untied_prefix`` of those same parameters (``LogicalGradients``' order), found with
+        # them, not at every end-of-step instruction.
+        self.untied_elements = untied_prefix(
+            [(n, p.numel()) for n, p in trainable], self.tied_names
         )
         self._logical_losses: dict[int, torch.Tensor] = {}
 
@@ -391,10 +395,6 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
         self.tied_copy_names = {pair.copy for pair in self.tied_pairs}
         # Both sides of every pair, by global name (the replica's parameters use them too).
         self.tied_names = {name for pair in self.tied_pairs for name in (pair.original, pair.copy)}
-        named = [(n, p.numel()) for n, p in self.module.named_parameters() if p.requires_grad]
-        # ``untied_prefix`` of this stage's parameters (``LogicalGradients``' order): the
-        # parameters never change, so it is found once, not at every end-of-step instruction.
-        self.untied_elements = untied_prefix(named, self.tied_names)
         self._tied_groups: dict[str, Any] = {}
         for pair in self.tied_pairs:
             stage_a = self.stage_of_layer(pair.original_layer)
