@@ -467,6 +467,7 @@ class ElasticWorker:
         self.train_end_t = 0.0
         self.redundant_s = 0.0
         self.replica_sync_s = 0.0
+        self.replica_sends_in_backward = 0
         self.model_state = ModelStateBytes()
         # Seconds by schedule instruction, over every engine of this worker (only when
         # SPOTLINE_INSTRUCTION_PROFILE names a folder: spotline bench profile).
@@ -691,6 +692,7 @@ class ElasticWorker:
             replica_mismatches=tuple(self.log.replica_mismatches),
             redundant_compute_s=self.redundant_s,
             replica_sync_s=self.replica_sync_s,
+            replica_sends_in_backward=self.replica_sends_in_backward,
             seconds_per_logical_worker=(
                 self._lw_seconds / self._lw_count
                 if self._lw_count
@@ -1192,6 +1194,7 @@ class ElasticWorker:
         if engine is not None:
             self.redundant_s += engine.redundant_s
             self.replica_sync_s += engine.replica_sync_s
+            self.replica_sends_in_backward += engine.sends_in_backward
             self.model_state = self.model_state.peak(engine.model_state)
             if self.instruction_profile is not None:
                 write_profile(self.instruction_profile, self.wid)

@@ -59,6 +59,13 @@ class KeepLogicalGradients(PipeInstruction):  # type: ignore[misc]  # DeepSpeed 
     step's one ReduceGrads reduces every kept logical worker exactly."""
 
 
+class StreamUntiedGrads(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
+    """Stage 0, right before the ``index``-th hosted logical worker's last BackwardPass:
+    during that pass, keep, reduce and send to the replica holder each layer's gradients
+    (``streamed_layers``) as soon as autograd has made them final, so the sends overlap
+    the rest of the pass (``plan.lower_logical_step``'s ``stream_untied``)."""
+
+
 # Instruction name (as ``spotline.plan.schedule.lower`` writes it) -> class. Subclasses that
 # define instructions of their own add them here.
 INSTRUCTIONS: dict[str, type[PipeInstruction]] = {
@@ -76,6 +83,7 @@ INSTRUCTIONS: dict[str, type[PipeInstruction]] = {
         ds_schedule.OptimizerStep,
         BeginLogicalWorker,
         KeepLogicalGradients,
+        StreamUntiedGrads,
     )
 }
 
@@ -93,11 +101,16 @@ class LoweredSchedule:
         num_hosted: int,
         *,
         send_untied_early: bool = False,
+        stream_untied: bool = False,
     ) -> None:
         self.schedule = schedule
         self.position = position
         lowered = plan.lower_logical_step(
-            schedule, position, num_hosted, send_untied_early=send_untied_early
+            schedule,
+            position,
+            num_hosted,
+            send_untied_early=send_untied_early,
+            stream_untied=stream_untied,
         )
         self._steps = [[INSTRUCTIONS[name](**kwargs) for name, kwargs in step] for step in lowered]
 
@@ -122,6 +135,48 @@ def untied_prefix(params: Sequence[tuple[str, int]], tied: Collection[str]) -> i
     if first == 0 or not all(flags[first:]):
         return None
     return sum(numel for _, numel in params[:first])
+
+
+def streamed_layers(
+    params: Sequence[tuple[str, int]], tied: Collection[str]
+) -> list[tuple[int, int]]:
+    """The flat gradient spans of a stage's layers that may be sent as a backward pass
+    makes them final (``params``: names ``"<global layer>.<path>"`` and sizes, in order):
+    every layer after the last one that holds a tied parameter, one span a layer, last
+    layer first (the order backward finishes them). Empty where the stage's last layer
+    holds a tied parameter (the last stage's LM head)."""
+    layers: list[tuple[str, int, int, bool]] = []  # (layer, start, stop, holds a tied one)
+    offset = 0
+    for name, numel in params:
+        layer = name.split(".", 1)[0]
+        if layers and layers[-1][0] == layer:
+            _, start, _, holds = layers[-1]
+            layers[-1] = (layer, start, offset + numel, holds or name in tied)
+        else:
+            layers.append((layer, offset, offset + numel, name in tied))
+        offset += numel
+    tied_at = [i for i, (_, _, _, holds) in enumerate(layers) if holds]
+    after = layers[tied_at[-1] + 1 :] if tied_at else layers
+    return [(start, stop) for _, start, stop, _ in reversed(after) if stop > start]
+
+
+def replica_messages(
+    params: Sequence[tuple[str, int]], tied: Collection[str], *, streamed: bool
+) -> list[tuple[int, int]]:
+    """The flat spans, in send order, of the messages in which a stage sends its reduced
+    gradients to its replica holder; the holder posts its receives for the same spans.
+    ``streamed``: one a layer of ``streamed_layers`` during the last backward pass, then
+    the rest; else the gradients before a tied suffix and the suffix (``untied_prefix``),
+    or one message."""
+    numel = sum(n for _, n in params)
+    if streamed:
+        layers = streamed_layers(params, tied)
+        first = layers[-1][0] if layers else numel
+        spans = [*layers, (0, first)]
+    else:
+        split = untied_prefix(params, tied)
+        spans = [(0, numel)] if split is None else [(0, split), (split, numel)]
+    return [(start, stop) for start, stop in spans if stop > start]
 
 
 @dataclass(frozen=True)
@@ -190,9 +245,10 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
         self.logical_gradients = LogicalGradients([p for _, p in trainable], num_logical_workers)
         # ``untied_prefix`` of those same parameters (``LogicalGradients``' order), found with
         # them, not at every end-of-step instruction.
-        self.untied_elements = untied_prefix(
-            [(n, p.numel()) for n, p in trainable], self.tied_names
-        )
+        sizes = [(n, p.numel()) for n, p in trainable]
+        self.untied_elements = untied_prefix(sizes, self.tied_names)
+        # And the layers stage 0 may send during its last backward pass (streamed_layers).
+        self.streamed_layers = streamed_layers(sizes, self.tied_names)
         self._logical_losses: dict[int, torch.Tensor] = {}
 
     def _train_schedule(self) -> LoweredSchedule:
@@ -203,6 +259,7 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
                 self.stage_id,
                 num_hosted,
                 send_untied_early=self._sends_untied_early(),
+                stream_untied=self._streams_untied(),
             )
         return self._lowered[num_hosted]
 
@@ -212,11 +269,21 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
         its gradients to a replica does (a subclass's)."""
         return False
 
+    def _streams_untied(self) -> bool:
+        """Whether the step's last logical worker keeps, reduces and sends its untied
+        gradients layer by layer during its last backward pass (``StreamUntiedGrads``):
+        only stage 0 of a subclass that sends its gradients to a replica does."""
+        return False
+
     def grad_span(self, part: plan.GradPart) -> tuple[int, int]:
         """The flat gradient elements (``LogicalGradients``' order) ``part`` covers."""
         numel = self.logical_gradients.numel
         if part is plan.GradPart.ALL:
             return (0, numel)
+        if self._streams_untied():
+            # The streamed layers follow the tied ones: the tied part is the prefix.
+            first = self.streamed_layers[-1][0]
+            return (first, numel) if part is plan.GradPart.UNTIED else (0, first)
         split = self.untied_elements
         assert split is not None, f"{part.name} on a stage without a tied suffix"
         return (0, split) if part is plan.GradPart.UNTIED else (split, numel)

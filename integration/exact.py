@@ -344,6 +344,9 @@ class LogicalGradients:
         assert all(p.dtype == self.dtype for p in self.params), "one gradient dtype"
         self._buffers: list[torch.Tensor] = []
         self._total: torch.Tensor | None = None
+        # The spans kept of the last kept logical worker, and the elements reduced this step.
+        self._spans: list[tuple[int, int]] = []
+        self._reduced = 0
         # Each parameter's first element in the flat gradient.
         self._offsets = list(accumulate((p.numel() for p in self.params), initial=0))[:-1]
 
@@ -357,22 +360,26 @@ class LogicalGradients:
         replaces every gradient with a view of the sum, so nothing reads or adds to them
         again, and zeroing them would be a pass over the whole gradient for nothing.
 
-        ``span``: only the parameters in these flat elements (whole parameters, in order),
-        so a part can be reduced while another is not final yet. The first span starts at
-        0; the others continue the logical worker kept last."""
+        ``span``: only the parameters in these flat elements (whole parameters), so a part
+        can be reduced while another is not final yet. Spans of one logical worker follow
+        one another, in any order (a backward pass finishes the last layers first), and do
+        not overlap."""
         if not 0 <= logical_worker < self.num_logical_workers:
             raise ValueError(
                 f"logical worker {logical_worker} not in 0..{self.num_logical_workers - 1}"
             )
         start, stop = span if span is not None else (0, self.numel)
-        if start == 0:
+        if not self.kept or self.kept[-1][0] != logical_worker:
             if any(w == logical_worker for w, _ in self.kept):
                 raise ValueError(f"logical worker {logical_worker} ran twice in one step")
             flat = self._buffer(len(self.kept))
             self.kept.append((logical_worker, flat))
+            self._spans = []
         else:
-            assert self.kept and self.kept[-1][0] == logical_worker, "a later span of another"
+            if any(a < stop and start < b for a, b in self._spans):
+                raise ValueError(f"logical worker {logical_worker} ran twice in one step")
             flat = self.kept[-1][1]
+        self._spans.append((start, stop))
         for p, offset in zip(self.params, self._offsets, strict=True):
             n = p.numel()
             if not start <= offset < stop:
@@ -384,6 +391,15 @@ class LogicalGradients:
                 flat[offset : offset + n].copy_(p.grad.detach().reshape(-1))
                 if zero:
                     p.grad.zero_()
+
+    def span_params(self, span: tuple[int, int]) -> list[torch.Tensor]:
+        """The parameters whose gradients lie in ``span`` (flat elements), in order."""
+        start, stop = span
+        return [
+            p
+            for p, offset in zip(self.params, self._offsets, strict=True)
+            if start <= offset < stop
+        ]
 
     def _buffer(self, index: int) -> torch.Tensor:
         """The flat gradient buffer of the ``index``-th kept logical worker of a step.
@@ -410,7 +426,7 @@ class LogicalGradients:
         this process's kept logical workers only, no communication (see :func:`exact_sum`).
         ``span``: only the parameters in these flat elements, kept with the same span (the
         sum is elementwise, so the parts reduced apart give the whole's bits); the kept
-        gradients are dropped with the span that ends the flat gradient.
+        gradients are dropped once every element is reduced.
         """
         assert self.kept, "reduce() before any logical worker was kept"
         start, stop = span if span is not None else (0, self.numel)
@@ -428,9 +444,11 @@ class LogicalGradients:
             )
         except BaseException:
             self.kept = []  # the step failed: none of its gradients is reduced again
+            self._reduced = 0
             raise
-        if stop == self.numel:
-            self.kept = []
+        self._reduced += stop - start
+        if self._reduced == self.numel:
+            self.kept, self._reduced = [], 0
         # The gradients become views of the sum (no copy): keep() copies them out and zeroes
         # them before the next reduce writes the buffer again.
         for p, offset in zip(self.params, self._offsets, strict=True):

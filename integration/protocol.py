@@ -479,6 +479,7 @@ class WorkerStats:
     replica_mismatches: tuple[ReplicaMismatch, ...] = ()
     redundant_compute_s: float = 0.0
     replica_sync_s: float = 0.0
+    replica_sends_in_backward: int = 0
     seconds_per_logical_worker: float | None = None
     rebalances: tuple[Rebalance, ...] = ()
     model_state: ModelStateBytes = ModelStateBytes()
@@ -544,6 +545,7 @@ class Report:
             "replica_mismatches": [m.to_json() for m in st.replica_mismatches],
             "redundant_compute_s": st.redundant_compute_s,
             "replica_sync_s": st.replica_sync_s,
+            "replica_sends_in_backward": st.replica_sends_in_backward,
             "seconds_per_logical_worker": st.seconds_per_logical_worker,
             "rebalances": [r.to_json() for r in st.rebalances],
             "model_state_bytes": st.model_state.to_json(),
@@ -563,6 +565,7 @@ class Report:
             ),
             redundant_compute_s=float(raw["redundant_compute_s"]),
             replica_sync_s=float(raw["replica_sync_s"]),
+            replica_sends_in_backward=int(raw["replica_sends_in_backward"]),
             seconds_per_logical_worker=raw["seconds_per_logical_worker"],
             rebalances=tuple(Rebalance.from_json(r) for r in raw["rebalances"]),
             model_state=ModelStateBytes.from_json(raw["model_state_bytes"]),

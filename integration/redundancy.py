@@ -50,10 +50,10 @@ from __future__ import annotations
 
 import hashlib
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from itertools import accumulate
 from typing import Any
 
 import torch
@@ -65,8 +65,9 @@ from spotline.engine import (
     INSTRUCTIONS,
     Batch,
     SpotlinePipelineEngine,
+    StreamUntiedGrads,
     rebind_instruction_map,
-    untied_prefix,
+    replica_messages,
 )
 from spotline.exact import LogicalGradients
 from spotline.lr_schedule import constructor_hyper
@@ -135,6 +136,29 @@ def joined_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
 # and gradients (tag 0) still pass between the same two ranks: gloo gives a receive the first
 # message of its tag from that rank, so with a shared tag it would take one of those.
 REPLICA_GRAD_TAG = 1
+
+
+def streams_untied(stage: int, num_stages: int, data_parallel: int, *, sharded: bool) -> bool:
+    """Whether ``stage`` sends its untied gradients to its replica holder during its last
+    backward pass, layer by layer (``StreamUntiedGrads``; owner and holder both ask).
+
+    Stage 0 only: its last backward pass is the step's last computation, so the work done
+    inside it delays nothing but the step's end, while a later stage's would delay the
+    SendGrad its predecessor waits for. Whole replicas only (a sharded holder takes its
+    pieces in one message), and one pipeline only: the exact reduction then runs locally
+    and can run inside the backward pass; over pipelines it is a collective."""
+    return stage == 0 and num_stages > 1 and data_parallel == 1 and not sharded
+
+
+@dataclass
+class _Stream:
+    """One armed ``StreamUntiedGrads``: which layers' gradients are final so far."""
+
+    logical_worker: int
+    remaining: list[int]  # parameters of each streamed layer still to be made final
+    final: set[int] = field(default_factory=set)  # ids of the parameters made final
+    sent: int = 0  # streamed layers sent, in order
+    error: Exception | None = None
 
 
 class StashOutput(PipeInstruction):  # type: ignore[misc]  # DeepSpeed is untyped
@@ -301,14 +325,22 @@ class Replica:
         self.named_params = named
         self.params = [p for _, p in self.named_params]
         numel = sum(p.numel() for p in self.params)
-        split = (
-            None
+        # The owner's messages, in its send order (its ``_message_spans``); a sharded
+        # replica's pieces come in one.
+        self.message_spans = (
+            [(0, numel)]
             if shards > 1
-            else untied_prefix([(n, p.numel()) for n, p in named], engine.tied_names)
+            else replica_messages(
+                [(n, p.numel()) for n, p in named],
+                engine.tied_names,
+                streamed=streams_untied(
+                    stage,
+                    engine.num_stages,
+                    engine.grid.get_data_parallel_world_size(),
+                    sharded=False,
+                ),
+            )
         )
-        # The owner's messages (its ``_message_spans``): the gradients before its tied
-        # copies apart from those, where it has such a suffix, else one.
-        self.message_spans = [(0, numel)] if split is None else [(0, split), (split, numel)]
         opt = engine.optimizer
         # The owner's optimizer class and hyper-parameters.
         self.optimizer = type(opt)(self.params, **constructor_hyper(opt))
@@ -440,6 +472,33 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
                 )
         self._plan = plan.add_redundancy(self._plan, self.redundancy, replay=shards == 1)
         plan.validate(self._plan)
+        # The messages of this stage's reduced gradients to its holder, in send order.
+        self._replica_messages = replica_messages(
+            [(n, p.numel()) for n, p in self.module.named_parameters() if p.requires_grad],
+            self.tied_names,
+            streamed=self._streams_untied(),
+        )
+        # Stage 0 sends its untied gradients during its last backward pass, a layer once
+        # autograd has made all of its gradients final (StreamUntiedGrads): each parameter's
+        # layer, and a hook on each that reports it final.
+        self._stream: _Stream | None = None
+        self._stream_layer: dict[int, int] = {}
+        # Messages sent from inside a backward pass, while autograd still ran (a measure).
+        self.sends_in_backward = 0
+        if self._streams_untied():
+            for layer, span in enumerate(self.streamed_layers):
+                for param in self.logical_gradients.span_params(span):
+                    self._stream_layer[id(param)] = layer
+            # A weak reference: the module's parameters must not keep the engine alive.
+            engine = weakref.ref(self)
+
+            def on_final(param: torch.Tensor) -> None:
+                owner = engine()
+                if owner is not None:
+                    owner._on_grad_final(param)
+
+            for param in self.logical_gradients.params:
+                param.register_post_accumulate_grad_hook(on_final)  # type: ignore[no-untyped-call]
         # A committed update the replica has yet to apply (lazy: until the next step's
         # bubble); None when the replica is up to date with its owner's last commit.
         self.replica_pending: PendingReplicaStep | None = None
@@ -492,7 +551,15 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
 
     def _exec_backward_pass(self, buffer_id: int) -> None:
         self._phase("backward")
-        super()._exec_backward_pass(buffer_id)
+        try:
+            super()._exec_backward_pass(buffer_id)
+        finally:
+            stream, self._stream = self._stream, None
+        if stream is not None:
+            # A layer with a parameter the pass gave no gradient (an unused one) goes now.
+            self._send_final_layers(stream, flush=True)
+            if stream.error is not None:
+                raise stream.error
 
     def _exec_send_activations(self, buffer_id: int) -> None:
         self._phase("send")
@@ -624,16 +691,82 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
             and self.untied_elements is not None
         )
 
+    def _streams_untied(self) -> bool:
+        return (
+            self.replica is not None
+            and bool(self.streamed_layers)
+            and streams_untied(
+                self.stage_id,
+                self.num_stages,
+                self.grid.get_data_parallel_world_size(),
+                sharded=self.held_by_predecessor is not None,
+            )
+        )
+
     def _message_spans(self, part: plan.GradPart) -> list[tuple[int, int]]:
-        """The flat gradient elements of each message this stage sends for ``part``: the
-        untied and the tied ones apart where it has a tied suffix (the holder's receives,
-        ``Replica.message_spans``, are the same), else one message."""
-        if self.held_by_predecessor is not None or self.untied_elements is None:
+        """The flat gradient elements of each message this stage sends for ``part``, in
+        order: those of ``replica_messages`` (the holder's receives, ``Replica.message_spans``,
+        are the same) that ``part`` covers."""
+        if self.held_by_predecessor is not None:
             assert part is plan.GradPart.ALL, part
             return [self.grad_span(plan.GradPart.ALL)]
-        if part is plan.GradPart.ALL:
-            return [self.grad_span(plan.GradPart.UNTIED), self.grad_span(plan.GradPart.TIED)]
-        return [self.grad_span(part)]
+        lo, hi = self.grad_span(part)
+        return [(a, b) for a, b in self._replica_messages if lo <= a and b <= hi]
+
+    def _exec_stream_untied_grads(self, index: int) -> None:
+        assert self._stream is None and self.replica is not None
+        counts = [0] * len(self.streamed_layers)
+        for layer in self._stream_layer.values():
+            counts[layer] += 1
+        self._stream = _Stream(self.hosted_logical_workers[index], counts)
+
+    def _on_grad_final(self, param: torch.Tensor) -> None:
+        """Autograd made ``param``'s gradient of this backward pass final (a hook)."""
+        stream = self._stream
+        layer = self._stream_layer.get(id(param))
+        if stream is None or layer is None:
+            return  # not the streamed pass, or a tied layer's (after ReduceTiedGrads)
+        # Each parameter is used once in a layer's graph: a second gradient would come after
+        # its layer was sent.
+        assert id(param) not in stream.final, "a parameter's gradient made final twice"
+        stream.final.add(id(param))
+        stream.remaining[layer] -= 1
+        self._send_final_layers(stream, flush=False)
+
+    def _send_final_layers(self, stream: _Stream, *, flush: bool) -> None:
+        """Keep, reduce (locally: one pipeline) and send each streamed layer whose gradients
+        are all final (``flush``: every one left), in ``streamed_layers`` order, the order
+        the holder posted its receives in. An error is raised after the backward pass, not
+        through autograd."""
+        layers = self.streamed_layers
+        while stream.error is None and stream.sent < len(layers):
+            if not flush and stream.remaining[stream.sent] > 0:
+                return
+            span = layers[stream.sent]
+            stream.sent += 1
+            try:
+                self.logical_gradients.keep(stream.logical_worker, zero=False, span=span)
+                self.logical_gradients.reduce(group=self.grid.get_data_parallel_group(), span=span)
+                self._send_span(span)
+                self.sends_in_backward += not flush
+            except Exception as exc:  # noqa: BLE001  # re-raised by _exec_backward_pass
+                stream.error = exc
+
+    def _send_span(self, span: tuple[int, int]) -> None:
+        """Post the send of this stage's reduced gradients in ``span`` to its holder."""
+        self._send([_grad(p).reshape(-1) for p in self.logical_gradients.span_params(span)])
+
+    def _send(self, tensors: list[torch.Tensor]) -> None:
+        """Post the send of ``tensors``, as one message, to this stage's replica holder."""
+        t0 = time.perf_counter()
+        # Sent from the sum's buffer itself where the gradients are its views in this order
+        # (whole replicas): nothing writes them before ReplicaGradRecv waits.
+        joined = joined_view(tensors)
+        flat = joined if joined is not None else torch.cat(tensors)
+        work = dist.isend(flat, self._peer(self.stage_id - 1), tag=REPLICA_GRAD_TAG)
+        assert work is not None  # the world group: every rank is in it
+        self._pending_sends.append((work, flat))
+        self.replica_sync_s += time.perf_counter() - t0
 
     def _exec_replica_grad_post(self) -> None:
         assert self.replica is not None and not self._posted_recvs
@@ -655,30 +788,13 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         self.replica_sync_s += time.perf_counter() - t0
 
     def _exec_replica_grad_send(self, part: int = plan.GradPart.ALL) -> None:
-        t0 = time.perf_counter()
-        predecessor = self._peer(self.stage_id - 1)
-        if self.held_by_predecessor is not None:
+        if self.held_by_predecessor is None:
+            for span in self._message_spans(plan.GradPart(part)):
+                self._send_span(span)
+        else:
             # A sharded replica's holder gets only its pieces' gradients, in their order.
             params = dict(self.module.named_parameters())
-            pieces = [piece_of(_grad(params[x.name]), x) for x in self.held_by_predecessor]
-            messages = [pieces]
-        else:
-            # Module order, as the replica lists its parameters.
-            grads = [_grad(p).reshape(-1) for p in self.module.parameters()]
-            offsets = list(accumulate((g.numel() for g in grads), initial=0))
-            messages = [
-                [g for g, offset in zip(grads, offsets[:-1], strict=True) if start <= offset < stop]
-                for start, stop in self._message_spans(plan.GradPart(part))
-            ]
-        for tensors in messages:
-            # Sent from the sum's buffer itself where the gradients are its views in this
-            # order (whole replicas): nothing writes them before ReplicaGradRecv waits.
-            joined = joined_view(tensors)
-            flat = joined if joined is not None else torch.cat(tensors)
-            work = dist.isend(flat, predecessor, tag=REPLICA_GRAD_TAG)
-            assert work is not None  # the world group: every rank is in it
-            self._pending_sends.append((work, flat))
-        self.replica_sync_s += time.perf_counter() - t0
+            self._send([piece_of(_grad(params[x.name]), x) for x in self.held_by_predecessor])
 
     def _exec_replica_grad_recv(self) -> None:
         assert self.replica is not None and self._posted_recvs and self._pending_sends
@@ -894,6 +1010,7 @@ RedundantPipelineEngine._INSTRUCTION_MAP.update(
         ReplicaGradPost: RedundantPipelineEngine._exec_replica_grad_post,
         ReplicaGradSend: RedundantPipelineEngine._exec_replica_grad_send,
         ReplicaGradRecv: RedundantPipelineEngine._exec_replica_grad_recv,
+        StreamUntiedGrads: RedundantPipelineEngine._exec_stream_untied_grads,
         ReplicaStep: RedundantPipelineEngine._exec_replica_step,
     }
 )

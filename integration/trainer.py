@@ -298,7 +298,8 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
 
     digest = export_final_model(engine, worker.hf_config, output_dir, cfg)
     per_rank = torch.tensor(
-        [peak_rss_mib(), engine.redundant_s, engine.replica_sync_s], dtype=torch.float64
+        [peak_rss_mib(), engine.redundant_s, engine.replica_sync_s, engine.sends_in_backward],
+        dtype=torch.float64,
     )
     gathered = [torch.zeros_like(per_rank) for _ in range(worker.ident.world_size)]
     dist.all_gather(gathered, per_rank)
@@ -332,6 +333,7 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "peak_rss_mib_per_rank": [float(g[0]) for g in gathered],
             "redundant_compute_s_per_rank": [float(g[1]) for g in gathered],
             "replica_sync_s_per_rank": [float(g[2]) for g in gathered],
+            "replica_sends_in_backward_per_rank": [int(g[3]) for g in gathered],
             "model_state_bytes_per_rank": [
                 dict(zip(engine.model_state.to_json(), (int(v) for v in g), strict=True))
                 for g in states

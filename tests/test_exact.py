@@ -261,6 +261,68 @@ def test_a_gradient_kept_and_reduced_in_two_spans_has_the_whole_s_bits() -> None
         LogicalGradients([torch.nn.Parameter(torch.zeros(4))], 1).keep(0, span=(0, 2))
 
 
+def test_a_gradient_kept_and_reduced_layer_by_layer_last_first_has_the_whole_s_bits() -> None:
+    """Stage 0 keeps and reduces each layer as its backward pass makes it final, last layer
+    first, and its tied prefix last (``StreamUntiedGrads``): any order of disjoint spans
+    gives the bits of one reduction, and the kept gradients go once all are reduced."""
+    from spotline.exact import LogicalGradients
+
+    shapes = ((3,), (2, 2), (5,), (6,))  # spans (0, 3) tied; (3, 7), (7, 12), (12, 18)
+    torch.manual_seed(1)
+    grads = [[torch.randn(shape) for shape in shapes] for _ in range(2)]
+
+    def run(spans: list[tuple[int, int]] | None) -> torch.Tensor:
+        params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+        logical = LogicalGradients(params, num_logical_workers=2)
+        for worker in (0, 1):
+            for p, g in zip(params, grads[worker], strict=True):
+                p.grad = g.clone()
+            if worker == 0 or spans is None:
+                logical.keep(worker, zero=worker == 0)
+                continue
+            for index, span in enumerate(spans):
+                logical.keep(worker, zero=False, span=span)
+                logical.reduce(local=True, span=span)
+                assert bool(logical.kept) == (index < len(spans) - 1)
+        if spans is None:
+            logical.reduce(local=True)
+        assert not logical.kept
+        return torch.cat([p.grad.reshape(-1) for p in params])
+
+    whole = run(None)
+    assert torch.equal(run([(12, 18), (7, 12), (3, 7), (0, 3)]), whole)
+    assert torch.equal(run([(7, 12), (12, 18), (0, 3), (3, 7)]), whole)
+    # A span kept twice for one logical worker is a worker run twice.
+    logical = LogicalGradients([torch.nn.Parameter(torch.zeros(3))] * 1, 1)
+    logical.params[0].grad = torch.ones(3)
+    logical.keep(0, zero=False, span=(0, 3))
+    with pytest.raises(ValueError, match="ran twice"):
+        logical.keep(0, zero=False, span=(0, 3))
+
+
+def test_stage_0_streams_the_layers_after_its_tied_ones_last_first() -> None:
+    """The layers a backward pass may send as it makes them final, and the messages owner
+    and holder agree on (``streamed_layers``, ``replica_messages``)."""
+    from spotline.engine import replica_messages, streamed_layers
+
+    # Stage 0 of a GPT-2: the embedding layer (a tied wte and a wpe), then two blocks.
+    stage0 = [("0.wte", 10), ("0.wpe", 4), ("1.w", 6), ("1.b", 2), ("2.w", 6), ("2.b", 2)]
+    tied = {"0.wte", "5.head"}
+    assert streamed_layers(stage0, tied) == [(22, 30), (14, 22)]
+    assert replica_messages(stage0, tied, streamed=True) == [(22, 30), (14, 22), (0, 14)]
+    assert replica_messages(stage0, tied, streamed=False) == [(0, 30)]
+    # Untied embeddings: every layer streams, nothing is left for after the pass.
+    assert streamed_layers(stage0, set()) == [(22, 30), (14, 22), (0, 14)]
+    assert replica_messages(stage0, set(), streamed=True) == [(22, 30), (14, 22), (0, 14)]
+    # The last stage: its tied LM head is its last layer, so nothing streams; unstreamed,
+    # its untied gradients and its tied suffix are two messages.
+    last = [("3.w", 6), ("4.ln", 2), ("5.head", 10)]
+    assert streamed_layers(last, tied) == []
+    assert replica_messages(last, tied, streamed=False) == [(0, 8), (8, 18)]
+    # A tied parameter in a middle layer: only the layers after that one stream.
+    assert streamed_layers(stage0, {"1.b"}) == [(22, 30)]
+
+
 def test_only_a_tied_suffix_after_untied_parameters_splits_a_stage() -> None:
     from spotline.engine import untied_prefix
 

@@ -169,6 +169,7 @@ def test_report_json_round_trip() -> None:
             replica_mismatches=(ReplicaMismatch(4, 1),),
             redundant_compute_s=0.5,
             replica_sync_s=0.25,
+            replica_sends_in_backward=6,
             seconds_per_logical_worker=0.1,
             rebalances=(Rebalance(4, ((0, 1), (2,))),),
             model_state=ModelStateBytes(parameters=40, optimizer=80, replica_parameters=40),

@@ -40,6 +40,12 @@ def test_replicas_stay_bitwise_equal_and_never_change_the_math(spotline_train, s
         assert run["losses"] == off["losses"]
         assert all(s > 0 for s in run["replica_sync_s_per_rank"])
     assert off["replica_checks"] == 0  # off holds no replica: nothing to check
+    # Stage 0 sent its untied layers' gradients from inside its last backward pass, each
+    # step (StreamUntiedGrads), into the receives its holder posted; no other stage did.
+    for run in (lazy, eager):
+        sends = run["replica_sends_in_backward_per_rank"]
+        assert sends[0] > 0 and sends[0] % steps == 0 and sends[1:] == [0] * (stages - 1)
+    assert off["replica_sends_in_backward_per_rank"] == [0] * stages
     assert all(s > 0 for s in eager["redundant_compute_s_per_rank"])
     assert all(s == 0 for s in lazy["redundant_compute_s_per_rank"])
     _check_model_state(off, lazy, eager, stages)

@@ -617,6 +617,47 @@ def test_a_tied_suffix_is_reduced_and_sent_in_two_parts_around_the_tied_reductio
     )
 
 
+@pytest.mark.parametrize("mode", ["lazy", "eager"])
+@pytest.mark.parametrize("num_hosted", [1, 3])
+def test_stage_0_streams_its_untied_gradients_from_its_last_backward_pass(mode, num_hosted) -> None:
+    """StreamUntiedGrads comes right before the last logical worker's last BackwardPass of
+    stage 0; the tied part is kept, reduced and sent after ReduceTiedGrads; the receive is
+    posted once; everything else is as without streaming."""
+    from spotline.plan.schedule import GradPart, lower_logical_step
+
+    schedule = add_redundancy(train_schedule(3, 4), mode)
+    plain = lower_logical_step(schedule, 0, num_hosted)
+    streamed = lower_logical_step(schedule, 0, num_hosted, stream_untied=True)
+    flat = [(n, kw) for step in streamed for n, kw in step]
+    names = [n for n, _ in flat]
+    arm = names.index("StreamUntiedGrads")
+    assert flat[arm] == ("StreamUntiedGrads", {"index": num_hosted - 1})
+    assert names.count("StreamUntiedGrads") == 1
+    last_backward = max(i for i, n in enumerate(names) if n == "BackwardPass")
+    assert arm == last_backward - 1
+    assert arm > max(i for i, n in enumerate(names) if n == "BeginLogicalWorker")
+    tied = {"part": GradPart.TIED}
+    assert flat[last_backward + 1 :] == [
+        ("ReduceTiedGrads", {}),
+        ("KeepLogicalGradients", {"index": num_hosted - 1, **tied}),
+        ("ReduceGrads", tied),
+        ("ReplicaGradSend", tied),
+        ("ReplicaGradRecv", {}),
+        ("OptimizerStep", {}),
+        *([("ReplicaStep", {})] if mode == "eager" else []),
+    ]
+    assert names.count("ReplicaGradPost") == 1
+    plain_flat = [(n, kw) for step in plain for n, kw in step]
+    assert flat[:arm] == plain_flat[:arm]
+    assert len(streamed) == len(plain)
+    with pytest.raises(ValueError, match="either its last or its first"):
+        lower_logical_step(schedule, 0, 1, stream_untied=True, send_untied_early=True)
+    off = add_redundancy(train_schedule(3, 4), "off")
+    assert lower_logical_step(off, 0, num_hosted, stream_untied=True) == lower_logical_step(
+        off, 0, num_hosted
+    )
+
+
 def test_a_pipeline_hosting_no_logical_worker_is_refused() -> None:
     from spotline.plan.schedule import lower_logical_step
 

@@ -893,6 +893,7 @@ def lower(schedule: Schedule, position: int) -> list[list[tuple[str, dict[str, i
 BEGIN_LOGICAL_WORKER = "BeginLogicalWorker"
 KEEP_LOGICAL_GRADIENTS = "KeepLogicalGradients"
 REPLICA_GRAD_POST = "ReplicaGradPost"
+STREAM_UNTIED_GRADS = "StreamUntiedGrads"
 _TAIL_NAMES = frozenset(_INSTRUCTION_NAMES[kind] for kind in _TAIL)
 
 
@@ -907,7 +908,12 @@ class GradPart(IntEnum):
 
 
 def lower_logical_step(
-    schedule: Schedule, position: int, num_hosted: int, *, send_untied_early: bool = False
+    schedule: Schedule,
+    position: int,
+    num_hosted: int,
+    *,
+    send_untied_early: bool = False,
+    stream_untied: bool = False,
 ) -> list[list[tuple[str, dict[str, int]]]]:
     """One optimizer step of a pipeline that hosts ``num_hosted`` logical workers (EasyScale).
 
@@ -931,11 +937,22 @@ def lower_logical_step(
     ``ReduceTiedGrads``, which waits for the tied partner's backward passes, and the tied
     ones (``part`` TIED) after it. A no-op without a replica exchange.
 
+    ``stream_untied`` (stage 0, whose tied copies come before its other parameters): its
+    last backward pass is the step's last computation, and its untied gradients become
+    final layer by layer during it, last layer first. ``StreamUntiedGrads(index=i)`` right
+    before the last logical worker's last ``BackwardPass`` has that pass keep, reduce and
+    send each layer's gradients as soon as they are final (``part`` UNTIED, one message a
+    layer), so the sends overlap the rest of the pass; the tied ones (``part`` TIED) follow
+    its ``ReduceTiedGrads`` as with ``send_untied_early``. A no-op without a replica
+    exchange.
+
     With one hosted logical worker this is :func:`lower` plus the bookkeeping instructions.
     Pure: the runtime executes the list in order, step after step.
     """
     if num_hosted < 1:
         raise ValueError(f"a pipeline must host at least one logical worker, got {num_hosted}")
+    if send_untied_early and stream_untied:
+        raise ValueError("a stage's tied copies are either its last or its first parameters")
     lowered = lower(schedule, position)
     *head, last = lowered
     split = len(last)
@@ -958,7 +975,14 @@ def lower_logical_step(
         if index == 0 and exchanges:
             _insert_post(steps, replica_step)
         early = send_untied_early and exchanges and index == num_hosted - 1
-        if early:
+        streamed = stream_untied and exchanges and index == num_hosted - 1
+        if streamed:
+            _insert_before_last_backward(steps, (STREAM_UNTIED_GRADS, {"index": index}))
+            steps[-1] += [
+                (reduce_tied, {}),
+                (KEEP_LOGICAL_GRADIENTS, {"index": index, "part": GradPart.TIED.value}),
+            ]
+        elif early:
             untied = {"part": GradPart.UNTIED.value}
             steps[-1] += [
                 (KEEP_LOGICAL_GRADIENTS, {"index": index, **untied}),
@@ -971,11 +995,24 @@ def lower_logical_step(
             steps[-1] += [(reduce_tied, {}), (KEEP_LOGICAL_GRADIENTS, {"index": index})]
         out += steps
     rest = tail[1:]
-    if send_untied_early and exchanges:
+    if (send_untied_early or stream_untied) and exchanges:
         tied = {"part": GradPart.TIED.value}
         rest = [(name, dict(tied)) if name in (reduce, send) else (name, kw) for name, kw in rest]
     out[-1] += rest
     return out
+
+
+def _insert_before_last_backward(
+    steps: list[list[tuple[str, dict[str, int]]]], instruction: tuple[str, dict[str, int]]
+) -> None:
+    """Put ``instruction`` right before the last ``BackwardPass`` of ``steps``."""
+    backward = _INSTRUCTION_NAMES[ActionKind.BACKWARD]
+    for step in reversed(steps):
+        for order in range(len(step) - 1, -1, -1):
+            if step[order][0] == backward:
+                step.insert(order, instruction)
+                return
+    raise AssertionError("a training step without a backward pass")
 
 
 def _insert_post(steps: list[list[tuple[str, dict[str, int]]]], replica_step: str) -> None:

@@ -347,6 +347,9 @@ class RunMetrics:
             "peak_rss_mib_per_rank": [self.peaks.get(w, 0.0) for w in ranked],
             "redundant_compute_s_per_rank": [st.redundant_compute_s for st in stats],
             "replica_sync_s_per_rank": [st.replica_sync_s for st in stats],
+            # Gradient messages stage 0 sent its replica holder from inside its last
+            # backward pass (StreamUntiedGrads).
+            "replica_sends_in_backward_per_rank": [st.replica_sends_in_backward for st in stats],
             # Counted from the tensors at each step's commit point, peak per kind
             # (spotline.memory); RSS above also holds the interpreter and the allocator's caches.
             "model_state_bytes_per_rank": [st.model_state.to_json() for st in stats],
