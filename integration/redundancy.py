@@ -49,9 +49,12 @@ Replicas (``spotline.redundancy.replica``):
 from __future__ import annotations
 
 import hashlib
+import queue
+import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -148,6 +151,47 @@ def streams_untied(stage: int, num_stages: int, data_parallel: int, *, sharded: 
     pieces in one message), and one pipeline only: the exact reduction then runs locally
     and can run inside the backward pass; over pipelines it is a collective."""
     return stage == 0 and num_stages > 1 and data_parallel == 1 and not sharded
+
+
+class _Sender:
+    """Posts sends from a thread of its own, in the order given.
+
+    gloo writes a message into its socket in the posting thread for as long as the socket
+    takes it (a few MB), and only the rest from its own loop thread. Posted from the thread
+    that runs stage 0's last backward pass, that write is paid by the pass; posted from
+    here, it runs on another core (on a pipeline's first stage, the others wait for this
+    pass) while the pass goes on. The one thread keeps the order the holder's receives were
+    posted in. A daemon thread: a send that never completes must not hold the process."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Future[dist.Work], torch.Tensor, int] | None]
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="spotline-replica-send", daemon=True)
+        self._thread.start()
+
+    def post(self, tensor: torch.Tensor, dst: int) -> Future[dist.Work]:
+        """The send of ``tensor`` to global rank ``dst`` on the replica exchange's tag."""
+        posted: Future[dist.Work] = Future()
+        self._queue.put((posted, tensor, dst))
+        return posted
+
+    def close(self) -> None:
+        """Stop the thread once it has posted what it was given; joined, so that it is gone
+        before the interpreter ends (a daemon thread still running at its end aborts it)."""
+        self._queue.put(None)
+        # The engine may be collected by a garbage collection that runs on this thread.
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            posted, tensor, dst = item
+            try:
+                work = dist.isend(tensor, dst, tag=REPLICA_GRAD_TAG)
+                assert work is not None  # the world group: every rank is in it
+                posted.set_result(work)
+            except BaseException as exc:  # noqa: BLE001  # raised where the send is waited for
+                posted.set_exception(exc)
 
 
 @dataclass
@@ -483,6 +527,7 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         # layer, and a hook on each that reports it final.
         self._stream: _Stream | None = None
         self._stream_layer: dict[int, int] = {}
+        self._sender: _Sender | None = None
         # Messages sent from inside a backward pass, while autograd still ran (a measure).
         self.sends_in_backward = 0
         if self._streams_untied():
@@ -499,6 +544,8 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
 
             for param in self.logical_gradients.params:
                 param.register_post_accumulate_grad_hook(on_final)  # type: ignore[no-untyped-call]
+            self._sender = _Sender()
+            weakref.finalize(self, self._sender.close)
         # A committed update the replica has yet to apply (lazy: until the next step's
         # bubble); None when the replica is up to date with its owner's last commit.
         self.replica_pending: PendingReplicaStep | None = None
@@ -506,7 +553,7 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         self.replica_grads_from = "owner"  # or "replay": a test of the takeover path
         # The replica exchange in flight: this stage's sends (with the tensors they read)
         # and the receive ReplicaGradPost posted; ReplicaGradRecv waits for both.
-        self._pending_sends: list[tuple[dist.Work, torch.Tensor]] = []
+        self._pending_sends: list[tuple[dist.Work | Future[dist.Work], torch.Tensor]] = []
         self._posted_recvs: list[dist.Work] = []
         self._replica_recv: torch.Tensor | None = None
         self.redundant_s = 0.0
@@ -763,8 +810,13 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         # (whole replicas): nothing writes them before ReplicaGradRecv waits.
         joined = joined_view(tensors)
         flat = joined if joined is not None else torch.cat(tensors)
-        work = dist.isend(flat, self._peer(self.stage_id - 1), tag=REPLICA_GRAD_TAG)
-        assert work is not None  # the world group: every rank is in it
+        holder = self._peer(self.stage_id - 1)
+        work: dist.Work | Future[dist.Work] | None
+        if self._sender is not None:
+            work = self._sender.post(flat, holder)
+        else:
+            work = dist.isend(flat, holder, tag=REPLICA_GRAD_TAG)
+            assert work is not None  # the world group: every rank is in it
         self._pending_sends.append((work, flat))
         self.replica_sync_s += time.perf_counter() - t0
 
@@ -799,8 +851,11 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
     def _exec_replica_grad_recv(self) -> None:
         assert self.replica is not None and self._posted_recvs and self._pending_sends
         t0 = time.perf_counter()
-        for work in [*self._posted_recvs, *(work for work, _ in self._pending_sends)]:
+        for work in self._posted_recvs:
             work.wait()
+        for send, _ in self._pending_sends:
+            # A send posted by the sender thread: its error (a lost peer) is raised here.
+            (send.result() if isinstance(send, Future) else send).wait()
         self._posted_recvs, self._pending_sends = [], []
         self.replica.flat_grads = self._replica_recv
         self.replica_sync_s += time.perf_counter() - t0
