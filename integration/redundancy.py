@@ -795,7 +795,8 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
                 self.logical_gradients.keep(stream.logical_worker, zero=False, span=span)
                 self.logical_gradients.reduce(group=self.grid.get_data_parallel_group(), span=span)
                 self._send_span(span)
-                self.sends_in_backward += not flush
+                if not flush:
+                    self.sends_in_backward += 1
             except Exception as exc:  # noqa: BLE001  # re-raised by _exec_backward_pass
                 stream.error = exc
 

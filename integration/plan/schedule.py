@@ -899,8 +899,11 @@ _TAIL_NAMES = frozenset(_INSTRUCTION_NAMES[kind] for kind in _TAIL)
 
 class GradPart(IntEnum):
     """Which of a stage's gradients an end-of-step instruction covers (its ``part``
-    kwarg): all of them, or, where a stage's tied copies come after all its other
-    parameters, the ``UNTIED`` ones before them and the ``TIED`` ones."""
+    kwarg): all of them, or the ``UNTIED`` ones, final before the tied reduction, and the
+    ``TIED`` ones, the rest. Where a stage's tied copies come after all its other
+    parameters (``send_untied_early``), those split it; on stage 0, whose tied copies come
+    first (``stream_untied``), the layers after the last one holding a tied copy are the
+    untied ones."""
 
     ALL = 0
     UNTIED = 1
