@@ -569,6 +569,24 @@ def test_a_pipeline_runs_each_hosted_logical_worker_through_the_whole_body(
         assert len(logical) == num_hosted * len(plain)  # k times the lock-step length
 
 
+def _tied_tail(num_hosted: int, mode: str) -> list[tuple[str, dict[str, int]]]:
+    """A split step's end from its ReduceTiedGrads on: the last logical worker's tied part
+    kept, reduced and sent, the exchange waited for, the commit."""
+    from spotline.plan.schedule import GradPart
+
+    tied = {"part": GradPart.TIED}
+    return [
+        ("ReduceTiedGrads", {}),
+        ("KeepLogicalGradients", {"index": num_hosted - 1, **tied}),
+        ("ReduceGrads", tied),
+        ("ReplicaGradSend", tied),
+        ("ReplicaGradRecv", {}),
+        ("OptimizerStep", {}),
+        # eager: the replica's step follows the commit (its redundant forwards read it)
+        *([("ReplicaStep", {})] if mode == "eager" else []),
+    ]
+
+
 @pytest.mark.parametrize("mode", ["lazy", "eager"])
 @pytest.mark.parametrize("num_hosted", [1, 3])
 def test_a_tied_suffix_is_reduced_and_sent_in_two_parts_around_the_tied_reduction(
@@ -584,20 +602,13 @@ def test_a_tied_suffix_is_reduced_and_sent_in_two_parts_around_the_tied_reductio
     early = lower_logical_step(schedule, 1, num_hosted, send_untied_early=True)
     flat = [(n, kw) for step in early for n, kw in step]
     last_begin = max(i for i, (n, _) in enumerate(flat) if n == "BeginLogicalWorker")
-    untied, tied = {"part": GradPart.UNTIED}, {"part": GradPart.TIED}
+    untied = {"part": GradPart.UNTIED}
     start = flat.index(("KeepLogicalGradients", {"index": num_hosted - 1, **untied}))
     assert flat[start:] == [
         ("KeepLogicalGradients", {"index": num_hosted - 1, **untied}),
         ("ReduceGrads", untied),
         ("ReplicaGradSend", untied),
-        ("ReduceTiedGrads", {}),
-        ("KeepLogicalGradients", {"index": num_hosted - 1, **tied}),
-        ("ReduceGrads", tied),
-        ("ReplicaGradSend", tied),
-        ("ReplicaGradRecv", {}),
-        ("OptimizerStep", {}),
-        # eager: the replica's step follows the commit (its redundant forwards read it)
-        *([("ReplicaStep", {})] if mode == "eager" else []),
+        *_tied_tail(num_hosted, mode),
     ]
     tail = [n for n, _ in flat[last_begin:]]
     assert tail.index("ReplicaGradSend") < tail.index("ReduceTiedGrads")
@@ -623,7 +634,7 @@ def test_stage_0_streams_its_untied_gradients_from_its_last_backward_pass(mode, 
     """StreamUntiedGrads comes right before the last logical worker's last BackwardPass of
     stage 0; the tied part is kept, reduced and sent after ReduceTiedGrads; the receive is
     posted once; everything else is as without streaming."""
-    from spotline.plan.schedule import GradPart, lower_logical_step
+    from spotline.plan.schedule import lower_logical_step
 
     schedule = add_redundancy(train_schedule(3, 4), mode)
     plain = lower_logical_step(schedule, 0, num_hosted)
@@ -636,16 +647,7 @@ def test_stage_0_streams_its_untied_gradients_from_its_last_backward_pass(mode, 
     last_backward = max(i for i, n in enumerate(names) if n == "BackwardPass")
     assert arm == last_backward - 1
     assert arm > max(i for i, n in enumerate(names) if n == "BeginLogicalWorker")
-    tied = {"part": GradPart.TIED}
-    assert flat[last_backward + 1 :] == [
-        ("ReduceTiedGrads", {}),
-        ("KeepLogicalGradients", {"index": num_hosted - 1, **tied}),
-        ("ReduceGrads", tied),
-        ("ReplicaGradSend", tied),
-        ("ReplicaGradRecv", {}),
-        ("OptimizerStep", {}),
-        *([("ReplicaStep", {})] if mode == "eager" else []),
-    ]
+    assert flat[last_backward + 1 :] == _tied_tail(num_hosted, mode)
     assert names.count("ReplicaGradPost") == 1
     plain_flat = [(n, kw) for step in plain for n, kw in step]
     assert flat[:arm] == plain_flat[:arm]
