@@ -527,12 +527,15 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         # layer, and a hook on each that reports it final.
         self._stream: _Stream | None = None
         self._stream_layer: dict[int, int] = {}
+        self._stream_counts: list[int] = []  # parameters in each streamed layer
         self._sender: _Sender | None = None
         # Messages sent from inside a backward pass, while autograd still ran (a measure).
         self.sends_in_backward = 0
         if self._streams_untied():
             for layer, span in enumerate(self.streamed_layers):
-                for param in self.logical_gradients.span_params(span):
+                params = self.logical_gradients.span_params(span)
+                self._stream_counts.append(len(params))
+                for param in params:
                     self._stream_layer[id(param)] = layer
             # A weak reference: the module's parameters must not keep the engine alive.
             engine = weakref.ref(self)
@@ -762,10 +765,7 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
 
     def _exec_stream_untied_grads(self, index: int) -> None:
         assert self._stream is None and self.replica is not None
-        counts = [0] * len(self.streamed_layers)
-        for layer in self._stream_layer.values():
-            counts[layer] += 1
-        self._stream = _Stream(self.hosted_logical_workers[index], counts)
+        self._stream = _Stream(self.hosted_logical_workers[index], list(self._stream_counts))
 
     def _on_grad_final(self, param: torch.Tensor) -> None:
         """Autograd made ``param``'s gradient of this backward pass final (a hook)."""
