@@ -518,9 +518,7 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         plan.validate(self._plan)
         # The messages of this stage's reduced gradients to its holder, in send order.
         self._replica_messages = replica_messages(
-            [(n, p.numel()) for n, p in self.module.named_parameters() if p.requires_grad],
-            self.tied_names,
-            streamed=self._streams_untied(),
+            self.gradient_sizes, self.tied_names, streamed=self._streams_untied()
         )
         # Stage 0 sends its untied gradients during its last backward pass, a layer once
         # autograd has made all of its gradients final (StreamUntiedGrads): each parameter's
