@@ -243,10 +243,10 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
         self.hosted_logical_workers = tuple(hosted)
         trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
         self.logical_gradients = LogicalGradients([p for _, p in trainable], num_logical_workers)
-        # ``untied_prefix`` of those same parameters (``LogicalGradients``' order), found with
-        # them, not at every end-of-step instruction.
         # Names and sizes of those parameters, in that order (the replica's messages too).
         sizes = self.gradient_sizes = [(n, p.numel()) for n, p in trainable]
+        # ``untied_prefix`` of those same parameters (``LogicalGradients``' order), found with
+        # them, not at every end-of-step instruction.
         self.untied_elements = untied_prefix(sizes, self.tied_names)
         # And the layers stage 0 may send during its last backward pass (streamed_layers).
         self.streamed_layers = streamed_layers(sizes, self.tied_names)
