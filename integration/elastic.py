@@ -709,6 +709,7 @@ class ElasticWorker:
             previous_slot=previous,
             losses=dict(self.log.losses),
             step_times=dict(self.log.step_times),
+            step_ends=dict(self.log.step_ends),
             peak_rss_mib=peak_rss_mib(),
             stats=stats,
             error=self.error,

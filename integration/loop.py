@@ -29,12 +29,14 @@ from spotline.redundancy import RedundantPipelineEngine
 
 @dataclass(frozen=True)
 class StepDone:
-    """Optimizer step ``step`` (0-based) ran: its mean loss over logical workers and the
-    seconds the step function took (``time.perf_counter``)."""
+    """Optimizer step ``step`` (0-based) ran: its mean loss over logical workers, the
+    seconds the step function took (``time.perf_counter``) and when it returned
+    (``time.time``: comparable across the processes of a host)."""
 
     step: int
     loss: float
     seconds: float
+    ended_at: float
 
 
 @dataclass(frozen=True)
@@ -72,7 +74,7 @@ def run_steps(
             return LoopEnd(step, time.perf_counter() - t0)
         t_step = time.perf_counter()
         loss = train_step(step)
-        done = StepDone(step, loss, time.perf_counter() - t_step)
+        done = StepDone(step, loss, time.perf_counter() - t_step, time.time())
         for hook in hooks:
             hook.after_step(done)
     return LoopEnd(None, time.perf_counter() - t0)
@@ -80,14 +82,17 @@ def run_steps(
 
 @dataclass
 class StepLog(StepHooks):
-    """Each step's loss and seconds, by step (across generations for an elastic worker)."""
+    """Each step's loss, seconds and end time, by step (across generations for an elastic
+    worker)."""
 
     losses: dict[int, float] = field(default_factory=dict)
     step_times: dict[int, float] = field(default_factory=dict)
+    step_ends: dict[int, float] = field(default_factory=dict)
 
     def after_step(self, done: StepDone) -> None:
         self.losses[done.step] = done.loss
         self.step_times[done.step] = done.seconds
+        self.step_ends[done.step] = done.ended_at
 
 
 @dataclass

@@ -502,7 +502,8 @@ class Report:
 
     ``holdings``: the logical stages it holds in memory; ``previous_slot``: (pipeline,
     physical stage) it ran in this generation (None: not a member); ``losses`` and
-    ``step_times``: every step it has run, by step; ``error``: why it failed (one line)."""
+    ``step_times``: every step it has run, by step, and ``step_ends`` when each ended (Unix
+    time); ``error``: why it failed (one line)."""
 
     worker: str
     outcome: Outcome
@@ -510,6 +511,7 @@ class Report:
     previous_slot: tuple[int, int] | None = None
     losses: Mapping[int, float] = field(default_factory=dict)
     step_times: Mapping[int, float] = field(default_factory=dict)
+    step_ends: Mapping[int, float] = field(default_factory=dict)
     peak_rss_mib: float = 0.0
     stats: WorkerStats = WorkerStats()
     error: str | None = None
@@ -538,6 +540,7 @@ class Report:
             "previous_slot": list(self.previous_slot) if self.previous_slot else None,
             "losses": {str(k): v for k, v in self.losses.items()},
             "step_times": {str(k): v for k, v in self.step_times.items()},
+            "step_ends": {str(k): v for k, v in self.step_ends.items()},
             "peak_rss_mib": self.peak_rss_mib,
             "train_start_t": st.train_start_t,
             "train_end_t": st.train_end_t,
@@ -578,6 +581,7 @@ class Report:
             previous_slot=(int(previous[0]), int(previous[1])) if previous else None,
             losses={int(k): float(v) for k, v in raw["losses"].items()},
             step_times={int(k): float(v) for k, v in raw["step_times"].items()},
+            step_ends={int(k): float(v) for k, v in raw["step_ends"].items()},
             peak_rss_mib=float(raw["peak_rss_mib"]),
             stats=stats,
             error=raw["error"],

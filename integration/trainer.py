@@ -319,6 +319,8 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "wall_s": end.wall_s,
             "setup_s": worker.setup_s,
             "step_time_s": sorted(step_times)[len(step_times) // 2],
+            "step_times_s": step_times,
+            "step_ended_at_s": list(log.step_ends.values()),
             "workers": cfg.num_workers,
             "stages": cfg.num_stages,
             "pipelines": cfg.num_physical_pipelines,

@@ -161,6 +161,7 @@ def test_report_json_round_trip() -> None:
         previous_slot=(1, 0),
         losses={4: 2.5, 5: 2.25},
         step_times={5: 0.125},
+        step_ends={5: 1_780_000_000.5},
         peak_rss_mib=812.5,
         stats=WorkerStats(
             train_start_t=10.0,

@@ -107,6 +107,11 @@ def test_sigkill_mid_step_is_taken_over_from_memory(
     assert (tmp_path / "run" / "timeline.csv").exists()
     assert not (tmp_path / "run" / "timeline.png").exists()
     assert phases["redo_s"] == summary["step_times_s"][event["resume_step"]]
+    # Each step's end, as its last run measured it: in step order (a redone step's end is
+    # its second run's), each after its own start.
+    ends = summary["step_ended_at_s"]
+    assert len(ends) == len(summary["step_times_s"]) and None not in ends
+    assert ends == sorted(ends) and len(set(ends)) == len(ends)
     assert phases["state_s"] == max(setups[w][g]["state_s"] for w in members)
     # Exposure checkpoints (spotline.plan.exposure): 2x2 is down to one pipeline, each
     # stage on two workers, so the new generation's first committed step is checkpointed;

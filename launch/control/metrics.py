@@ -96,6 +96,7 @@ class RunMetrics:
         self.losses: dict[int, float] = {}
         self.learning_rates: dict[int, float] = {}
         self.step_times: dict[int, float] = {}
+        self.step_ends: dict[int, float] = {}
         # Every evaluation reported (rank 0 writes evaluation/<step>), each taken once by step: a
         # replayed one carries the same numbers.
         self.evaluations: dict[int, EvalResult] = {}
@@ -174,7 +175,9 @@ class RunMetrics:
     def take_report(self, report: Report) -> None:
         """A worker's end-of-generation report: its losses, step times and measurements."""
         self.losses.update(report.losses)
+        # A step's time and end from the same report: a pair one worker measured.
         self.step_times.update(report.step_times)
+        self.step_ends.update(report.step_ends)
         w = report.worker
         self.peaks[w] = max(self.peaks.get(w, 0.0), report.peak_rss_mib)
         self.worker_stats[w] = report.stats
@@ -308,6 +311,10 @@ class RunMetrics:
             "step_time_s": times[len(times) // 2] if times else None,
             # Each step's time as its last run measured it (None: never reported).
             "step_times_s": [self.step_times.get(s) for s in range(steps)],
+            # When each step ended (Unix time, None: never reported): with step_times_s, the
+            # interval it ran in (what `spotline bench redundancy --alternate` matches
+            # against the turns it gave the job).
+            "step_ended_at_s": [self.step_ends.get(s) for s in range(steps)],
             "workers": cfg.num_workers,
             "stages": cfg.num_stages,
             "pipelines": cfg.num_physical_pipelines,
