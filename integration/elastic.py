@@ -52,7 +52,7 @@ from spotline.engine import build_engine, deepspeed_config_for
 from spotline.errors import UserError, one_line
 from spotline.evaluation import Evaluator
 from spotline.exact import NonFiniteGradient
-from spotline.group_setup import connected_new_groups, init_generation_group
+from spotline.group_setup import connected_new_groups, init_generation_group, wait_p2p
 from spotline.heartbeat import Heartbeat
 from spotline.instruction_profile import (
     InstructionProfile,
@@ -941,7 +941,7 @@ class ElasticWorker:
         if ops:
             self._state_bytes += sum(op.tensor.nbytes for op in ops)
             for work in dist.batch_isend_irecv(ops):
-                work.wait()
+                wait_p2p(work)
         for stage, buf in incoming:
             self.holdings.stages[stage] = unpack(own_names[stage], buf, plan.resume_step)
         for stage, parts in pieces.items():
@@ -1027,7 +1027,7 @@ class ElasticWorker:
         for work in dist.batch_isend_irecv(
             [dist.P2POp(dist.isend, flat_out, pred), dist.P2POp(dist.irecv, flat_in, succ)]
         ):
-            work.wait()
+            wait_p2p(work)
         offset = 0
         rparams = dict(engine.replica.named_params)
         for stage in sorted(rep_names):

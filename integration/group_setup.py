@@ -21,6 +21,14 @@ is aborted; a machine lost while a group is set up costs its peers at most the b
 inside the collectives' timeout after which the coordinator takes them for hung, and the
 generation fails and is planned again without it.
 
+Point-to-point operations need one more step. gloo waits for a send or a receive under the
+timeout its context was created with, the short creation timeout above (2 s), and
+``_set_pg_timeout`` does not reach it: a pipeline stage whose peer was 2 s late (a loaded
+host, a long micro-batch, a job paused and resumed) failed its generation. So every wait on
+a send or a receive of a generation is given the collectives' timeout (:func:`wait_p2p`),
+DeepSpeed's pipeline transfers included (:func:`bind_p2p_waits`); a collective runs under
+the timeout ``_set_pg_timeout`` set, as it should.
+
 The default group is created here; DeepSpeed creates the pipeline and data-parallel groups
 with ``torch.distributed.new_group`` (looked up at call time, a pinned seam: see
 ``spotline.patches.deepspeed_seams``), which is wrapped for the generation's set-up only (one
@@ -42,6 +50,68 @@ SETUP_BOUND = timedelta(seconds=10)
 """The most a group's set-up may take, where the collectives' timeout is longer."""
 # gloo's creation of a group waits up to this many times the group's timeout for a pair.
 GLOO_CONNECT_WAITS = 5
+
+
+_p2p_timeout: timedelta | None = None
+"""The running generation's collectives' timeout (set by :func:`init_generation_group`);
+None: no generation group, the default group's own timeouts apply."""
+
+
+def wait_p2p(work: dist.Work) -> None:
+    """Wait for a send or a receive under the generation's collectives' timeout (not the
+    gloo context's creation timeout, which a bare ``work.wait()`` would use)."""
+    if _p2p_timeout is None:
+        work.wait()
+    else:
+        work.wait(_p2p_timeout)
+
+
+_blocking_p2p: tuple[Callable[..., Any], Callable[..., Any]] | None = None
+"""torch's own ``send`` and ``recv``, once :func:`bind_p2p_waits` replaced them."""
+
+
+def _send(
+    tensor: torch.Tensor,
+    dst: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    tag: int = 0,
+    group_dst: int | None = None,
+) -> None:
+    work = dist.isend(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+    if work is not None:  # None: this rank is not in ``group``
+        wait_p2p(work)
+
+
+def _recv(
+    tensor: torch.Tensor,
+    src: int | None = None,
+    group: dist.ProcessGroup | None = None,
+    tag: int = 0,
+    group_src: int | None = None,
+) -> int:
+    assert _blocking_p2p is not None
+    if src is None:
+        # From any source (no caller of Spotline's does): torch's own, which finds the
+        # sender's rank.
+        return int(_blocking_p2p[1](tensor, src, group, tag, group_src))
+    work = dist.irecv(tensor, src=src, group=group, tag=tag, group_src=group_src)
+    if work is None:
+        return -1  # torch's answer for a rank not in ``group``
+    wait_p2p(work)
+    return src
+
+
+def bind_p2p_waits() -> None:
+    """Make ``torch.distributed.send``/``recv`` wait through :func:`wait_p2p`: DeepSpeed's
+    pipeline sends its activations and gradients with them (``deepspeed.runtime.pipe.p2p``,
+    through ``deepspeed.comm``, which looks them up at call time; pinned in
+    ``spotline.patches.deepspeed_seams``), and they wait without a timeout. In a worker
+    process only, from its first generation on."""
+    global _blocking_p2p
+    if _blocking_p2p is None:
+        _blocking_p2p = (dist.send, dist.recv)
+        dist.send = _send
+        dist.recv = _recv
 
 
 def setup_bound(collective: timedelta) -> timedelta:
@@ -77,6 +147,9 @@ def init_generation_group(
     # members that failed there and those that failed later would rendezvous under names
     # that never meet.
     c10d._world.group_count = 0
+    global _p2p_timeout
+    _p2p_timeout = collective
+    bind_p2p_waits()
     create = setup_bound(collective) / GLOO_CONNECT_WAITS
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=create)
     _connected(dist.group.WORLD, collective)  # type: ignore[arg-type]

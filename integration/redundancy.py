@@ -73,6 +73,7 @@ from spotline.engine import (
     replica_messages,
 )
 from spotline.exact import LogicalGradients
+from spotline.group_setup import wait_p2p
 from spotline.lr_schedule import constructor_hyper
 from spotline.memory import model_state_bytes
 from spotline.plan import schedule as plan
@@ -851,10 +852,10 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         assert self.replica is not None and self._posted_recvs and self._pending_sends
         t0 = time.perf_counter()
         for work in self._posted_recvs:
-            work.wait()
+            wait_p2p(work)
         for send, _ in self._pending_sends:
             # A send posted by the sender thread: its error (a lost peer) is raised here.
-            (send.result() if isinstance(send, Future) else send).wait()
+            wait_p2p(send.result() if isinstance(send, Future) else send)
         self._posted_recvs, self._pending_sends = [], []
         self.replica.flat_grads = self._replica_recv
         self.replica_sync_s += time.perf_counter() - t0
@@ -1027,7 +1028,7 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
                     partner_grads[partner] = got
         if ops:
             for work in dist.batch_isend_irecv(ops):
-                work.wait()
+                wait_p2p(work)
         self.successor_output_grads = (
             {} if received is None else {m: received[m] for m in range(self.micro_batches)}
         )

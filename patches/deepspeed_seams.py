@@ -55,6 +55,16 @@ SEAMS: dict[str, tuple[str, str]] = {
         "calls torch.distributed.new_group(ranks), looked up at call time: "
         "spotline.group_setup wraps it while a generation sets up",
     ),
+    "deepspeed.runtime.pipe.p2p.send": (
+        "a28ede4b78797592",
+        "a blocking send is dist.send (deepspeed.comm -> torch.distributed.send, looked up at "
+        "call time): spotline.group_setup.bind_p2p_waits gives its wait the collectives' timeout",
+    ),
+    "deepspeed.runtime.pipe.p2p.recv": (
+        "788c30fcaed5afd8",
+        "a blocking receive is dist.recv from a known rank (deepspeed.comm -> "
+        "torch.distributed.recv, looked up at call time): spotline.group_setup.bind_p2p_waits",
+    ),
     "deepspeed.runtime.pipe.module.PipelineModule._partition_layers": (
         "7289164616d3e075",
         "replaced by PlacedPipelineModule: sets parts and _set_bounds from given boundaries",

@@ -3,8 +3,9 @@
 argv: STORE_PORT RANK WORLD FROZEN_RANK. The store is the test's TCPStore. The member whose
 rank is FROZEN_RANK stops itself (SIGSTOP) right after writing its rendezvous address, as a
 machine cut off at that moment would: alive to the others' rendezvous, never connecting.
-Each live member prints one line: its groups' timeouts and an all-reduce's sum, or the
-error its set-up ended with.
+Each live member prints one line: its groups' timeouts, an all-reduce's sum and what rank 0
+received from rank 1 sent later than the groups' 2 s creation timeout, or the error its
+set-up ended with.
 """
 
 from __future__ import annotations
@@ -18,11 +19,39 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from spotline.group_setup import connected_new_groups, group_timeout, init_generation_group
+from spotline.group_setup import (
+    connected_new_groups,
+    group_timeout,
+    init_generation_group,
+    wait_p2p,
+)
 
 # Far beyond the test's bound: a member waiting on an unconnected pair would hang it. A
 # group's set-up is bounded at 10 s (spotline.group_setup.SETUP_BOUND) whatever it is.
 COLLECTIVE = timedelta(seconds=900)
+# Past the groups' creation timeout (a fifth of the set-up bound: 2 s), well inside
+# COLLECTIVE: how late rank 1 sends to rank 0, twice.
+LATE_S = 2.5
+
+
+def late_p2p(rank: int, pair: dist.ProcessGroup) -> float:
+    """Rank 1 sends rank 0 a 1 (torch's blocking send, as DeepSpeed's pipeline does) and a 2
+    (isend on ``pair``), each LATE_S late; rank 0 returns their sum (-1 elsewhere)."""
+    one, two = torch.zeros(1), torch.zeros(1)
+    if rank == 1:
+        time.sleep(LATE_S)
+        dist.send(torch.ones(1), 0)
+        time.sleep(LATE_S)
+        work = dist.isend(torch.full((1,), 2.0), 0, group=pair)
+        assert work is not None
+        wait_p2p(work)
+    elif rank == 0:
+        assert dist.recv(one, 1) == 1
+        work = dist.irecv(two, 1, group=pair)
+        assert work is not None
+        wait_p2p(work)
+        return float((one + two).item())
+    return -1.0
 
 
 class FreezeAfterFirstSet(dist.Store):
@@ -64,9 +93,10 @@ def main() -> None:
         total = torch.ones(1)
         dist.all_reduce(total)
         timeouts = [group_timeout(dist.group.WORLD), group_timeout(pair)]  # type: ignore[arg-type]
+        late = late_p2p(rank, pair)  # type: ignore[arg-type]
         print(
             f"ok timeouts={[t.total_seconds() for t in timeouts]} "
-            f"outside={group_timeout(outside).total_seconds()} sum={total.item()}",
+            f"outside={group_timeout(outside).total_seconds()} sum={total.item()} late={late}",
             flush=True,
         )
     except RuntimeError as exc:
