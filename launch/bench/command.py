@@ -159,6 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated modes to bench beside off (off, lazy, eager, lazy-sharded; "
         "default: all the case can run); off always runs, every ratio is over it",
     )
+    redundancy.add_argument(
+        "--alternate",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="run a round's modes at once, taking turns of SECONDS on the host (the others "
+        "stopped), and time the steps inside the turns: the host's drift is then the same "
+        "for every mode (default: one run after another)",
+    )
     recovery = sub.add_parser(
         "recovery", parents=[common], help="in-memory failover vs checkpoint-restart on a trace"
     )
@@ -373,7 +382,9 @@ def run_bench(args: argparse.Namespace, settings: BenchSettings) -> tuple[dict[s
         report = bench_overlap(settings, elements, args.ranks, args.device)
         report["model"] = settings.model
         return report, format_overlap(report)
-    report = bench_redundancy(settings, parse_cases(args.cases, args.pipelines, args.modes))
+    report = bench_redundancy(
+        settings, parse_cases(args.cases, args.pipelines, args.modes), args.alternate
+    )
     return report, format_redundancy(report)
 
 

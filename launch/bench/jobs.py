@@ -179,22 +179,8 @@ def _error_line(log_text: str) -> str | None:
 # --------------------------------------------------------------------------- running jobs
 
 
-def run_spotline_train(
-    config: Path,
-    run_dir: Path,
-    extra_flags: Sequence[str],
-    extra_env: dict[str, str] | None = None,
-) -> dict[str, Any]:
-    """``spotline train`` as a subprocess (its own workers); returns its summary.json.
-
-    The job's stdout and stderr go to ``run_dir/bench.log``. Raises RunFailed: exit 2 with
-    the job's one-line error (a user mistake), exit 1 otherwise.
-    """
-    import json
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = run_dir / "bench.log"
-    cmd = [
+def _train_command(config: Path, run_dir: Path, extra_flags: Sequence[str]) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "spotline.launch.cli",
@@ -205,10 +191,36 @@ def run_spotline_train(
         str(run_dir),
         *extra_flags,
     ]
-    with open(log_path, "wb") as log:
-        code = subprocess.call(
-            cmd, env={**child_env(), **(extra_env or {})}, stdout=log, stderr=subprocess.STDOUT
+
+
+def start_spotline_train(
+    config: Path,
+    run_dir: Path,
+    extra_flags: Sequence[str],
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """``spotline train`` started as a subprocess, its output to ``run_dir/bench.log``;
+    :func:`finish_spotline_train` waits for it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "bench.log", "wb") as log:
+        return subprocess.Popen(
+            _train_command(config, run_dir, extra_flags),
+            env={**child_env(), **(extra_env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
+
+
+def finish_spotline_train(proc: subprocess.Popen[bytes], run_dir: Path) -> dict[str, Any]:
+    """Wait for a job :func:`start_spotline_train` started; returns its summary.json.
+
+    Raises RunFailed: exit 2 with the job's one-line error (a user mistake), exit 1
+    otherwise.
+    """
+    import json
+
+    code = proc.wait()
+    log_path = run_dir / "bench.log"
     if code != 0:
         message = _error_line(log_path.read_text(errors="replace"))
         if code == EXIT_USAGE and message is not None:
@@ -216,6 +228,23 @@ def run_spotline_train(
         raise RunFailed(f"spotline train exited {code}; see {log_path} and {run_dir}/logs", 1)
     summary: dict[str, Any] = json.loads((run_dir / "summary.json").read_text())
     return with_per_rank_lists(summary)
+
+
+def run_spotline_train(
+    config: Path,
+    run_dir: Path,
+    extra_flags: Sequence[str],
+    extra_env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """``spotline train`` as a subprocess (its own workers), to its end; returns its
+    summary.json (see :func:`finish_spotline_train`)."""
+    proc = start_spotline_train(config, run_dir, extra_flags, extra_env)
+    try:
+        return finish_spotline_train(proc, run_dir)
+    finally:
+        if proc.poll() is None:  # interrupted (Ctrl-C): the job goes too
+            proc.terminate()
+            proc.wait()
 
 
 def _id_order(worker_id: str) -> tuple[int, str]:

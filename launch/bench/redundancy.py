@@ -5,28 +5,44 @@ default, one process per stage), interleaved rounds, plus what the pure schedule
 the eager mode: the fraction of redundant forwards its bubbles can hide, and the steps it
 adds. With ``--pipelines P`` (2 or more), every case runs ``P`` data-parallel pipelines and
 adds the mode ``lazy-sharded`` (lazy with ``spotline.redundancy.replica: "sharded"``: each
-replica holder keeps 1/P of its successor's state).
+replica holder keeps 1/P of its successor's state). With ``--alternate SECONDS`` a round's
+modes run at once and take turns on the host (:mod:`spotline.launch.bench.alternate`), and
+a mode's step time is the median of the steps that ran inside its turns.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from spotline.errors import UserError
+from spotline.launch.bench.alternate import (
+    AlternatedJob,
+    check_alternation,
+    heartbeat_timeout_for,
+    log_ready,
+    steps_in_turns,
+    take_turns,
+)
 from spotline.launch.bench.jobs import (
     BenchSettings,
+    RunFailed,
+    finish_spotline_train,
     format_spread,
     machine_info,
+    median,
     median_per_rank,
     medians,
+    progress,
     resolve_base_config,
     round_ratios,
     run_rounds,
     run_spotline_train,
     spread,
+    start_spotline_train,
     write_config,
 )
 from spotline.plan.schedule import REDUNDANCY_MODES
@@ -170,9 +186,86 @@ def _state_ratio(run: dict[str, Any], off: dict[str, Any]) -> float | None:
     return largest(run) / largest(off)
 
 
-def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -> dict[str, Any]:
-    """Redundancy off/lazy/eager (and lazy-sharded with pipelines), interleaved, for each
-    case; medians and ratios to off."""
+MIN_STEPS_IN_TURNS = 3
+"""The fewest steps inside its turns a mode's alternated run may give: a median of fewer
+says little."""
+
+
+def run_alternated_rounds(
+    modes: Sequence[str],
+    repeats: int,
+    config: Path,
+    work: Path,
+    turn_s: float,
+    label: str,
+) -> dict[str, list[dict[str, Any]]]:
+    """``repeats`` rounds, each running every mode's job at once, in turns of ``turn_s``
+    seconds; a result's ``step_time_s`` is the median of its steps inside its turns (and
+    ``samples_per_s`` follows it). ``wall_s`` and ``process_s`` include the pauses."""
+    results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+    for round_idx in range(repeats):
+        t0 = time.perf_counter()
+        started: list[tuple[str, Path, Any]] = []
+        try:
+            for mode in modes:
+                run_dir = work / f"{mode}-r{round_idx}"
+                started.append(
+                    (mode, run_dir, start_spotline_train(config, run_dir, MODE_FLAGS[mode]))
+                )
+            turns = take_turns(
+                [AlternatedJob(m, proc, log_ready(d / "bench.log")) for m, d, proc in started],
+                turn_s,
+            )
+            summaries = {mode: finish_spotline_train(proc, d) for mode, d, proc in started}
+        finally:
+            for _, _, proc in started:
+                if proc.poll() is None:  # another job failed, or Ctrl-C
+                    proc.terminate()
+                    proc.wait()
+        process_s = time.perf_counter() - t0
+        for mode, summary in summaries.items():
+            inside = steps_in_turns(
+                summary["step_times_s"], summary["step_ended_at_s"], turns[mode]
+            )
+            if len(inside) < MIN_STEPS_IN_TURNS:
+                raise RunFailed(
+                    f"--alternate: {mode}'s run (round {round_idx + 1}) ran {len(inside)} "
+                    f"step(s) inside its turns, fewer than {MIN_STEPS_IN_TURNS}; give more "
+                    "--steps",
+                    2,
+                )
+            step_s = median([summary["step_times_s"][s] for s in inside])
+            samples_per_step = summary["samples_per_s"] * summary["train_wall_s"] / summary["steps"]
+            summary.update(
+                step_time_s=step_s,
+                samples_per_s=samples_per_step / step_s,
+                process_s=process_s,
+                steps_in_turns=len(inside),
+                turns=[[turn.start, turn.end] for turn in turns[mode]],
+            )
+            results[mode].append(summary)
+        progress(
+            f"{label} round {round_idx + 1}/{repeats} ({process_s:.1f} s): "
+            + ", ".join(
+                f"{mode} {results[mode][-1]['step_time_s'] * 1000:.1f} ms over "
+                f"{results[mode][-1]['steps_in_turns']} steps in {len(results[mode][-1]['turns'])} turns"
+                for mode in modes
+            )
+        )
+    return results
+
+
+def bench_redundancy(
+    settings: BenchSettings,
+    cases: Sequence[RedundancyCase],
+    alternate_s: float | None = None,
+) -> dict[str, Any]:
+    """Redundancy off/lazy/eager (and lazy-sharded with pipelines), interleaved (or, with
+    ``alternate_s``, taking turns of that many seconds), for each case; medians and ratios
+    to off."""
+    if alternate_s is not None:
+        for case in cases:
+            check_alternation(alternate_s, len(case.modes))
     report_cases = []
     for case in cases:
         facts = schedule_facts(case)
@@ -188,6 +281,19 @@ def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -
                 "gradient_accumulation_steps": case.num_micro_batches,
             },
         )
+        if alternate_s is not None:
+            from spotline.config import with_overrides
+
+            cfg = with_overrides(
+                cfg,
+                {
+                    # Its progress lines say a job is past its start-up (alternate.READY_MARK).
+                    "spotline.tracking.progress": True,
+                    "spotline.recovery.heartbeat_timeout_s": heartbeat_timeout_for(
+                        alternate_s, len(case.modes), cfg.spotline.recovery.heartbeat_timeout_s
+                    ),
+                },
+            )
         work = settings.output / "redundancy" / case.name
         config = write_config(cfg, work / "config.json")
 
@@ -196,7 +302,13 @@ def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -
         ) -> dict[str, Any]:
             return run_spotline_train(config, work / f"{mode}-r{round_idx}", list(MODE_FLAGS[mode]))
 
-        results = run_rounds(case.modes, settings.repeats, run_one, f"redundancy {case.name}")
+        label = f"redundancy {case.name}"
+        if alternate_s is None:
+            results = run_rounds(case.modes, settings.repeats, run_one, label)
+        else:
+            results = run_alternated_rounds(
+                case.modes, settings.repeats, config, work, alternate_s, label
+            )
         modes: dict[str, Any] = {}
         for mode, runs in results.items():
             modes[mode] = {
@@ -213,6 +325,10 @@ def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -
                 "num_extra_steps": facts["num_extra_steps"][mode],
                 "param_sha256": sorted({r["param_sha256"] for r in runs}),
             }
+            if alternate_s is not None:
+                # Per round: the steps timed, and the turns (Unix time) they were taken from.
+                modes[mode]["steps_in_turns"] = [r["steps_in_turns"] for r in runs]
+                modes[mode]["turns"] = [r["turns"] for r in runs]
         off = modes["off"]
         for mode in case.modes:
             m = modes[mode]
@@ -256,7 +372,13 @@ def bench_redundancy(settings: BenchSettings, cases: Sequence[RedundancyCase]) -
         "model": cfg.spotline.model.name,
         "steps": settings.steps,
         "repeats": settings.repeats,
-        "order": "per case, interleaved: " + ", ".join(cases[0].modes) + " per round",
+        "alternate_s": alternate_s,
+        "order": (
+            "per case, interleaved: " + ", ".join(cases[0].modes) + " per round"
+            if alternate_s is None
+            else f"per case, each round's modes at once, in turns of {alternate_s:g} s: "
+            + ", ".join(cases[0].modes)
+        ),
         "statistic": (
             "median over rounds (per rank for memory and seconds); redundant compute and "
             "replica sync are seconds per step; hidden_fraction is the eager schedule's share "
@@ -324,7 +446,12 @@ def format_redundancy(report: dict[str, Any]) -> str:
                 )
     head = (
         f"### redundancy: {report['model']}, {_pipelines(report)}, one process per stage, "
-        f"{report['steps']} steps, median of {report['repeats']} interleaved rounds"
+        f"{report['steps']} steps, median of {report['repeats']} "
+        + (
+            "interleaved rounds"
+            if report.get("alternate_s") is None
+            else f"rounds taking turns of {report['alternate_s']:g} s (steps inside the turns)"
+        )
     )
     lines = [head, "", *rows, "", "Model state per rank, MiB (counted from the tensors):", ""]
     lines += state_rows

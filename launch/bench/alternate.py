@@ -1,0 +1,202 @@
+"""Rounds whose jobs take turns on the host: ``spotline bench redundancy --alternate SECONDS``.
+
+Why: a shared host drifts over tens of seconds (neighbours, frequency, the page cache), and
+that drift is wider than a 2% effect. Jobs run one after another see different hosts;
+longer runs do not help, the drift only averages out over longer spans. Here every mode's
+job of a round starts at once, and once each is past its start-up they take turns: one runs
+for ``turn_s`` seconds while every process of the others is stopped (SIGSTOP on the whole
+process tree: coordinator, agent, workers), then the next. Each mode then sees the same
+host, seconds apart.
+
+A step counts only if it ran inside one of its own job's turns, from its start to its end
+(``summary.json``'s ``step_times_s`` and ``step_ended_at_s``): a step a stop cut through,
+and every step of the start-up, when the jobs shared the cores, is left out.
+
+What a stop costs a job: its own clocks run on, so its coordinator sees heartbeats as old as
+the pause. The runs' heartbeat timeout is raised above it (the beat's interval, and the
+step, do not depend on it), and the pause is kept under what the local agent allows a
+silent store (:data:`MAX_PAUSE_S`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from spotline.errors import UserError
+
+MAX_PAUSE_S = 8.0
+"""The longest a job may stay stopped: a store operation the local agent had under way when
+it was stopped expires on its own clock, and after 10 s without an answer the agent takes
+the coordinator for lost (``coordinator.LOCAL_AGENT_LOST_AFTER_S``)."""
+
+READY_MARK = b"spotline: step "
+"""A job is past its start-up once its coordinator printed a progress line: steps were
+committed, so its generation's set-up (gloo operations with a short timeout, which a stop
+would expire) is behind it."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """``job`` ran alone from ``start`` to ``end`` (Unix time): by ``start`` every process of
+    the other jobs was seen stopped, and its own stop was sent after ``end``."""
+
+    job: str
+    start: float
+    end: float
+
+
+def check_alternation(turn_s: float, num_jobs: int) -> None:
+    """Raise UserError unless ``num_jobs`` jobs can take turns of ``turn_s`` seconds."""
+    if not turn_s > 0:
+        raise UserError(f"--alternate {turn_s:g}: give a turn of more than 0 seconds, e.g. 4")
+    pause_s = (num_jobs - 1) * turn_s
+    if pause_s > MAX_PAUSE_S:
+        raise UserError(
+            f"--alternate {turn_s:g} with {num_jobs} modes stops each job {pause_s:g} s at a "
+            f"time, over the {MAX_PAUSE_S:g} s a job may stay stopped; use --alternate "
+            f"{MAX_PAUSE_S / (num_jobs - 1):g} or less, or fewer --modes"
+        )
+
+
+def heartbeat_timeout_for(turn_s: float, num_jobs: int, configured_s: float) -> float:
+    """The heartbeat timeout of an alternated run: well above its pauses, never lowered."""
+    return max(configured_s, 4 * (num_jobs - 1) * turn_s)
+
+
+def steps_in_turns(
+    step_times: Sequence[float | None],
+    step_ends: Sequence[float | None],
+    turns: Sequence[Turn],
+) -> list[int]:
+    """The steps (by index) that ran inside one of ``turns``, from start to end; a step
+    without a time or an end (never reported) is left out."""
+    inside = []
+    for step, (seconds, end) in enumerate(zip(step_times, step_ends, strict=True)):
+        if seconds is None or end is None:
+            continue
+        start = end - seconds
+        if any(t.start <= start and end <= t.end for t in turns):
+            inside.append(step)
+    return inside
+
+
+# ------------------------------------------------------------------------ process trees
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` from the state on (None: the process is gone). The command name
+    in parentheses may hold spaces: split after its closing one."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and every live process below it (a parent before its children)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        fields = _stat_fields(int(entry))
+        if fields is not None:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def signal_tree(root: int, sig: signal.Signals) -> list[int]:
+    """Send ``sig`` to ``root``'s tree; returns the processes it was sent to."""
+    pids = process_tree(root)
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass  # exited between the listing and the signal
+    return pids
+
+
+def wait_stopped(pids: Sequence[int], timeout_s: float = 10.0) -> None:
+    """Wait until every one of ``pids`` is stopped (or gone): a stop is delivered when the
+    process next runs, not when ``kill`` returns."""
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while True:
+            fields = _stat_fields(pid)
+            if fields is None or fields[0] in ("T", "t", "Z", "X"):
+                break
+            assert time.monotonic() < deadline, f"process {pid} did not stop in {timeout_s} s"
+            time.sleep(0.001)
+
+
+# ------------------------------------------------------------------------ taking turns
+
+
+@dataclass(frozen=True)
+class AlternatedJob:
+    """A job started by the caller: its root process and how to tell it is past start-up."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    ready: Callable[[], bool]
+
+
+def log_ready(log: Path) -> Callable[[], bool]:
+    """A ``ready`` for a ``spotline train`` job logging to ``log`` (see :data:`READY_MARK`)."""
+
+    def ready() -> bool:
+        try:
+            return READY_MARK in log.read_bytes()
+        except FileNotFoundError:
+            return False
+
+    return ready
+
+
+def take_turns(
+    jobs: Sequence[AlternatedJob], turn_s: float, poll_s: float = 0.02
+) -> dict[str, list[Turn]]:
+    """Run ``jobs`` in turns of ``turn_s`` seconds, in their order, from the moment every
+    one is past its start-up until one of them exits (then the others run on together, to
+    their end). Returns each job's turns. Every job is running again when this returns,
+    also on an error."""
+    turns: dict[str, list[Turn]] = {job.name: [] for job in jobs}
+
+    def any_exited() -> bool:
+        return any(job.proc.poll() is not None for job in jobs)
+
+    try:
+        while not all(job.ready() for job in jobs):
+            if any_exited():
+                return turns  # one ended (or failed) in its start-up: no turns to take
+            time.sleep(poll_s)
+        for job in jobs[1:]:
+            wait_stopped(signal_tree(job.proc.pid, signal.SIGSTOP))
+        current = 0
+        while True:
+            job = jobs[current]
+            signal_tree(job.proc.pid, signal.SIGCONT)
+            start = time.time()
+            deadline = time.monotonic() + turn_s
+            while time.monotonic() < deadline and job.proc.poll() is None:
+                time.sleep(poll_s)
+            turns[job.name].append(Turn(job.name, start, time.time()))
+            if job.proc.poll() is not None:
+                return turns  # its steps ended before it exited: that turn counts too
+            wait_stopped(signal_tree(job.proc.pid, signal.SIGSTOP))
+            current = (current + 1) % len(jobs)
+    finally:
+        for job in jobs:
+            if job.proc.poll() is None:
+                signal_tree(job.proc.pid, signal.SIGCONT)
