@@ -212,10 +212,11 @@ def run_alternated_rounds(
                 started.append(
                     (mode, run_dir, start_spotline_train(config, run_dir, MODE_FLAGS[mode]))
                 )
-            turns = take_turns(
-                [AlternatedJob(m, proc, log_ready(d / "bench.log")) for m, d, proc in started],
-                turn_s,
-            )
+            jobs = [AlternatedJob(m, proc, log_ready(d / "bench.log")) for m, d, proc in started]
+            # Each round another mode takes the first turn: no mode is always the one that
+            # runs right after the start-ups.
+            first = round_idx % len(jobs)
+            turns = take_turns(jobs[first:] + jobs[:first], turn_s)
             summaries = {mode: finish_spotline_train(proc, d) for mode, d, proc in started}
         finally:
             for _, _, proc in started:
