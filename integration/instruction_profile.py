@@ -7,10 +7,13 @@ instruction it executes (``ForwardPass``, ``ReduceGrads``, ``ReplicaStep``, ...)
 waiting instruction (``RecvActivations``) holds the time its peer made it wait: the
 pipeline's bubbles show there. Unset, nothing is wrapped. Pure: no torch.
 
-Each instruction is timed twice: on the wall clock and in the process's CPU time (every
-thread: gloo's collectives run on its own threads). Their difference is waiting, so a
-profile tells the work a variant adds from the waits it causes; with more processes than
-cores, the step is the CPU summed over the ranks. The process's first optimizer step is
+Each instruction is timed three ways: on the wall clock, in the process's CPU time (every
+thread: gloo's collectives and socket writes run on threads of their own) and in the CPU
+time of the thread that runs the schedule. Wall less process CPU is waiting, so a profile
+tells the work a variant adds from the waits it causes; with more processes than cores, the
+step is the CPU summed over the ranks. Process CPU less the schedule thread's is what the
+other threads did meanwhile (the transfers' copies). CPU time stands still while the
+process is stopped (SIGSTOP), so CPU figures hold for runs that take turns on the host. The process's first optimizer step is
 left out (its one-off costs: allocations, first collectives), and the time between two
 optimizer steps' ends is counted as the step, so what a step spends outside the schedule
 (the loop, the loss, the store) is measured, not inferred.
@@ -42,43 +45,64 @@ class InstructionProfile:
     seconds: dict[str, float] = field(default_factory=dict)
     calls: dict[str, int] = field(default_factory=dict)
     cpu_seconds: dict[str, float] = field(default_factory=dict)
-    # (wall, CPU) clocks at the end of the last optimizer step; None before the first.
-    _mark: tuple[float, float] | None = field(default=None, repr=False, compare=False)
+    # The CPU of the thread that ran the instructions (the schedule's thread) alone.
+    thread_cpu_seconds: dict[str, float] = field(default_factory=dict)
+    # (wall, process CPU, thread CPU) clocks at the end of the last optimizer step; None
+    # before the first.
+    _mark: tuple[float, float, float] | None = field(default=None, repr=False, compare=False)
 
     @property
     def steps(self) -> int:
         """Optimizer steps measured: one ``OptimizerStep`` instruction each."""
         return self.calls.get(STEP, 0)
 
-    def add(self, name: str, seconds: float, cpu_seconds: float = 0.0) -> None:
-        """One instruction's ``seconds`` on the wall clock and ``cpu_seconds`` of CPU."""
+    def add(
+        self, name: str, seconds: float, cpu_seconds: float = 0.0, thread_cpu_seconds: float = 0.0
+    ) -> None:
+        """One instruction's ``seconds`` on the wall clock, ``cpu_seconds`` of the process's
+        CPU and ``thread_cpu_seconds`` of the calling thread's; the calling thread must be
+        the one that runs the schedule (its clock marks the whole step)."""
         if self._mark is None:
             # Before the first optimizer step's end: one-off costs, not counted.
             if name == STEP:
-                self._mark = (time.perf_counter(), time.process_time())
+                self._mark = (time.perf_counter(), time.process_time(), time.thread_time())
             return
-        self.seconds[name] = self.seconds.get(name, 0.0) + seconds
-        self.cpu_seconds[name] = self.cpu_seconds.get(name, 0.0) + cpu_seconds
+        for into, value in (
+            (self.seconds, seconds),
+            (self.cpu_seconds, cpu_seconds),
+            (self.thread_cpu_seconds, thread_cpu_seconds),
+        ):
+            into[name] = into.get(name, 0.0) + value
         self.calls[name] = self.calls.get(name, 0) + 1
         if name == STEP:
-            wall, cpu = time.perf_counter(), time.process_time()
-            self.seconds[WHOLE_STEP] = self.seconds.get(WHOLE_STEP, 0.0) + wall - self._mark[0]
-            self.cpu_seconds[WHOLE_STEP] = (
-                self.cpu_seconds.get(WHOLE_STEP, 0.0) + cpu - self._mark[1]
-            )
-            self._mark = (wall, cpu)
+            now = (time.perf_counter(), time.process_time(), time.thread_time())
+            for into, end, start in zip(
+                (self.seconds, self.cpu_seconds, self.thread_cpu_seconds),
+                now,
+                self._mark,
+                strict=True,
+            ):
+                into[WHOLE_STEP] = into.get(WHOLE_STEP, 0.0) + end - start
+            self._mark = now
 
     def to_json(self) -> dict[str, Any]:
         return {
             "seconds": self.seconds,
             "cpu_seconds": self.cpu_seconds,
+            "thread_cpu_seconds": self.thread_cpu_seconds,
             "calls": self.calls,
             "steps": self.steps,
         }
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> InstructionProfile:
-        return cls(dict(raw["seconds"]), dict(raw["calls"]), dict(raw.get("cpu_seconds", {})))
+        return cls(
+            dict(raw["seconds"]),
+            dict(raw["calls"]),
+            dict(raw.get("cpu_seconds", {})),
+            # Profiles written before the schedule thread's CPU was kept have none.
+            dict(raw.get("thread_cpu_seconds", {})),
+        )
 
     def per_step(self) -> dict[str, float]:
         """Wall seconds per step by instruction (the steps measured, at least one); the
@@ -88,6 +112,11 @@ class InstructionProfile:
     def cpu_per_step(self) -> dict[str, float]:
         """CPU seconds per step by instruction; the whole step under ``WHOLE_STEP``."""
         return {k: v / max(1, self.steps) for k, v in self.cpu_seconds.items()}
+
+    def thread_cpu_per_step(self) -> dict[str, float]:
+        """The schedule thread's CPU seconds per step by instruction (``WHOLE_STEP``: the
+        whole step's)."""
+        return {k: v / max(1, self.steps) for k, v in self.thread_cpu_seconds.items()}
 
 
 def profile_dir() -> Path | None:
@@ -102,11 +131,16 @@ def timed_map(
 
     def timed(name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
         def run(engine: Any, **kwargs: Any) -> Any:
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
             try:
                 return handler(engine, **kwargs)
             finally:
-                profile.add(name, time.perf_counter() - t0, time.process_time() - c0)
+                profile.add(
+                    name,
+                    time.perf_counter() - t0,
+                    time.process_time() - c0,
+                    time.thread_time() - h0,
+                )
 
         return run
 

@@ -5,7 +5,8 @@ real round of two ``spotline train`` jobs whose whole process trees are stopped 
 continued (SIGSTOP, SIGCONT) every 2.5 s, checked for what it must show: the jobs really
 stood still outside their turns, every pause was survived without a recovery (a receive
 waiting across a pause used to time out: ``spotline.group_setup.wait_p2p``), both modes
-end on the same parameters, and the step time comes from steps inside the turns.
+end on the same parameters, and the step time comes from steps inside the turns. The same
+round profiles its instructions (``--profile``): lazy's CPU by instruction against off's.
 """
 
 from __future__ import annotations
@@ -54,14 +55,15 @@ def test_turns_must_keep_every_pause_short() -> None:
 
 
 @pytest.fixture(scope="module")
-def alternated(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+def alternated(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path, str]:
     out = tmp_path_factory.mktemp("alternate")
     argv = ["bench", "redundancy", "--cases", "2x2", "--modes", "lazy", "--alternate", "2.5"]
     proc = run_spotline(
-        [*argv, "--steps", "200", "--repeats", "1", "--output", str(out)], timeout=540
+        [*argv, "--profile", "--steps", "200", "--repeats", "1", "--output", str(out)],
+        timeout=540,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((out / "bench-redundancy.json").read_text()), out
+    return json.loads((out / "bench-redundancy.json").read_text()), out, proc.stdout
 
 
 def _summary(out: Path, mode: str) -> dict[str, Any]:
@@ -74,9 +76,9 @@ def _summary(out: Path, mode: str) -> dict[str, Any]:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_jobs_take_turns_survive_their_pauses_and_agree(
-    alternated: tuple[dict[str, Any], Path],
+    alternated: tuple[dict[str, Any], Path, str],
 ) -> None:
-    report, out = alternated
+    report, out, _ = alternated
     assert report["alternate_s"] == 2.5
     [case] = report["cases"]
     modes = case["modes"]
@@ -102,3 +104,30 @@ def test_jobs_take_turns_survive_their_pauses_and_agree(
     # Redundancy never changes the math, paused or not.
     assert summaries["off"]["param_sha256"] == summaries["lazy"]["param_sha256"]
     assert modes["lazy"]["spread_to_off"]["min"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_round_profiles_where_lazys_cpu_goes(
+    alternated: tuple[dict[str, Any], Path, str],
+) -> None:
+    """Each rank of each run wrote its profile, and lazy's CPU is paired with off's by
+    instruction: its replica step, which off never runs, is lazy's own work, on the
+    schedule's thread."""
+    report, out, stdout = alternated
+    modes = report["cases"][0]["modes"]
+    for mode in modes:
+        profiles = sorted((out / "redundancy" / "2x2" / f"{mode}-r0" / "instructions").iterdir())
+        assert [p.name for p in profiles] == ["w0.json", "w1.json"]
+    assert "cpu_vs_off_per_rank" not in modes["off"]
+    ranks = modes["lazy"]["cpu_vs_off_per_rank"]
+    assert len(ranks) == 2
+    for rank in ranks:
+        replica_step = rank["ReplicaStep"]
+        assert replica_step["baseline_s"] == [0.0, 0.0] and replica_step["variant_s"][0] > 0
+        assert replica_step["difference_s"][0]["median"] == replica_step["variant_s"][0]
+        # Both ran the schedule's common instructions; the whole step is counted too.
+        for name in ("ForwardPass", "BackwardPass", "step"):
+            assert rank[name]["baseline_s"][0] > 0 and rank[name]["variant_s"][0] > 0
+    assert "CPU per step by instruction, 2x2, lazy against off" in stdout
+    assert "| 1 | the whole step |" in stdout

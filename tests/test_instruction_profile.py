@@ -16,7 +16,15 @@ from spotline.instruction_profile import (
     profile_dir,
     write_profile,
 )
-from spotline.launch.bench.profile import format_profile, mean_per_step, read_profiles, summarize
+from spotline.launch.bench.profile import (
+    cpu_split_per_step,
+    format_paired_cpu,
+    format_profile,
+    mean_per_step,
+    paired_cpu,
+    read_profiles,
+    summarize,
+)
 
 
 class ForwardPass:
@@ -118,3 +126,84 @@ def test_a_profile_splits_each_step_into_work_and_waiting() -> None:
     table = format_profile(report)
     assert "| RecvGrad | 300.0 / 100.0 |" in table
     assert "| idle core time (2 cores x step - CPU) | 800.0 |" in table
+
+
+def _burn_in_thread(cpu_s: float) -> None:
+    """Spend at least ``cpu_s`` of CPU on another thread, and join it."""
+    import threading
+    import time
+
+    def burn() -> None:
+        end = time.thread_time() + cpu_s
+        while time.thread_time() < end:
+            pass
+
+    worker = threading.Thread(target=burn)
+    worker.start()
+    worker.join()
+
+
+def test_other_threads_cpu_is_told_from_the_schedule_threads() -> None:
+    """What another thread of the process does during an instruction (gloo's copies, the
+    replica's sender) is its process CPU less the schedule thread's."""
+
+    class Busy:
+        _INSTRUCTION_MAP = {
+            ForwardPass: lambda self: _burn_in_thread(0.05),
+            OptimizerStep: lambda self: None,
+        }
+
+    engine, profile = Busy(), InstructionProfile()
+    instrument(engine, profile)
+    for _ in range(2):
+        engine._INSTRUCTION_MAP[ForwardPass](engine)
+        engine._INSTRUCTION_MAP[OptimizerStep](engine)
+    split = cpu_split_per_step(profile)
+    assert set(split) == {"ForwardPass", "OptimizerStep", WHOLE_STEP}
+    schedule, others = split["ForwardPass"]
+    # The burning thread's own clock passed 0.05 s; the schedule thread only waited.
+    assert others >= 0.05 - 1e-4 and schedule < others
+    assert split[WHOLE_STEP][1] >= others - 1e-4
+    assert InstructionProfile.from_json(json.loads(json.dumps(profile.to_json()))) == profile
+    # A profile written before the split has no schedule-thread figures to split by.
+    old = InstructionProfile({"ForwardPass": 1.0}, {"OptimizerStep": 1}, {"ForwardPass": 1.0})
+    with pytest.raises(AssertionError, match="schedule thread"):
+        cpu_split_per_step(old)
+
+
+def test_a_variants_cpu_is_paired_with_the_baselines_round_by_round() -> None:
+    """Per rank and instruction: both medians, and the spread of the per-round differences
+    (not the difference of the medians); an instruction one side never runs counts 0."""
+    off = [
+        [{"ForwardPass": (0.100, 0.001), WHOLE_STEP: (0.200, 0.002)}],
+        [{"ForwardPass": (0.120, 0.001), WHOLE_STEP: (0.240, 0.002)}],
+        [{"ForwardPass": (0.080, 0.001), WHOLE_STEP: (0.160, 0.002)}],
+    ]
+    lazy = [
+        [{"ForwardPass": (0.102, 0.004), "ReplicaStep": (0.010, 0.0), WHOLE_STEP: (0.213, 0.006)}],
+        [{"ForwardPass": (0.121, 0.005), "ReplicaStep": (0.012, 0.0), WHOLE_STEP: (0.254, 0.007)}],
+        [{"ForwardPass": (0.083, 0.003), "ReplicaStep": (0.011, 0.0), WHOLE_STEP: (0.175, 0.005)}],
+    ]
+    [rank0] = paired_cpu(list(zip(lazy, off, strict=True)))
+    fwd = rank0["ForwardPass"]
+    assert fwd["baseline_s"] == [0.100, 0.001]
+    assert fwd["variant_s"] == [0.102, 0.004]
+    thread, others = fwd["difference_s"]
+    # Per round +2, +1, +3 ms: median 2 ms; the medians' difference would also be 2 ms, but
+    # the whole step's per-round differences (13, 14, 15) differ from its medians' (13).
+    assert (thread["min"], thread["median"], thread["max"]) == pytest.approx((0.001, 0.002, 0.003))
+    assert others["median"] == pytest.approx(0.003)
+    step = rank0[WHOLE_STEP]["difference_s"][0]
+    assert (step["min"], step["median"], step["max"]) == pytest.approx((0.013, 0.014, 0.015))
+    assert rank0["ReplicaStep"]["baseline_s"] == [0.0, 0.0]
+    assert rank0["ReplicaStep"]["difference_s"][0]["median"] == pytest.approx(0.011)
+    table = format_paired_cpu([rank0], "lazy", "off")
+    lines = table.splitlines()
+    assert lines[0].startswith("| rank | instruction | off | lazy | lazy - off")
+    assert (
+        "| 0 | ReplicaStep | 0.0 / 0.0 | 11.0 / 0.0 | +11.0 (+10.0..+12.0) | +0.0 (+0.0..+0.0) |"
+        in lines
+    )
+    assert lines[-1].startswith("| 0 | the whole step | 200.0 / 2.0 | 213.0 / 6.0 | +14.0")
+    with pytest.raises(AssertionError, match="ranks differ"):
+        paired_cpu([(lazy[0], off[0] + off[1])])

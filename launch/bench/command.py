@@ -4,7 +4,7 @@
     spotline bench foundation --model gpt2-big     (or --ladder gpt2: tiny, mid, big)
     spotline bench foundation --stages 4           (4 stages x 1 pipeline; default 2 x 2)
     spotline bench redundancy [--steps 30] [--repeats 3] [--cases 2x2,2x4,4x4] [--pipelines 2]
-                              [--modes lazy,lazy-sharded]
+                              [--modes lazy,lazy-sharded] [--alternate 6] [--profile]
     spotline bench recovery --trace FILE [--time-scale 60] [--max-workers 3]
     spotline bench reduce [--elements 1000000] [--ranks 2] [--logical-workers 4]
     spotline bench overlap [--elements 7172736] [--ranks 2] [--device cpu]
@@ -167,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a round's modes at once, taking turns of SECONDS on the host (the others "
         "stopped), and time the steps inside the turns: the host's drift is then the same "
         "for every mode (default: one run after another)",
+    )
+    redundancy.add_argument(
+        "--profile",
+        action="store_true",
+        help="also time every schedule instruction of every run, and report each mode's CPU "
+        "per step by instruction (the schedule's thread and the others) against off's, "
+        "paired by round",
     )
     recovery = sub.add_parser(
         "recovery", parents=[common], help="in-memory failover vs checkpoint-restart on a trace"
@@ -383,7 +390,10 @@ def run_bench(args: argparse.Namespace, settings: BenchSettings) -> tuple[dict[s
         report["model"] = settings.model
         return report, format_overlap(report)
     report = bench_redundancy(
-        settings, parse_cases(args.cases, args.pipelines, args.modes), args.alternate
+        settings,
+        parse_cases(args.cases, args.pipelines, args.modes),
+        args.alternate,
+        args.profile,
     )
     return report, format_redundancy(report)
 

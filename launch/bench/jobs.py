@@ -247,7 +247,7 @@ def run_spotline_train(
             proc.wait()
 
 
-def _id_order(worker_id: str) -> tuple[int, str]:
+def worker_id_order(worker_id: str) -> tuple[int, str]:
     """Order worker ids ("w10" after "w2") by their number, then by text."""
     digits = re.findall(r"\d+", worker_id)
     return (int(digits[-1]) if digits else -1, worker_id)
@@ -270,7 +270,7 @@ def with_per_rank_lists(summary: dict[str, Any]) -> dict[str, Any]:
             continue
         if isinstance(by_worker, dict):
             out[f"{name}_per_rank"] = [
-                float(by_worker[k]) for k in sorted(by_worker, key=_id_order)
+                float(by_worker[k]) for k in sorted(by_worker, key=worker_id_order)
             ]
         else:
             out[f"{name}_per_rank"] = [float(v) for v in by_worker]

@@ -14,7 +14,7 @@ step's floor) and the cores' idle time (cores x step - that CPU).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,12 @@ from spotline.launch.bench.foundation import (
 from spotline.launch.bench.jobs import (
     BenchSettings,
     machine_info,
+    median,
     progress,
     resolve_base_config,
     run_spotline_train,
+    spread,
+    worker_id_order,
     write_config,
 )
 
@@ -38,12 +41,88 @@ PROFILE_VARIANTS = FOUNDATION_VARIANTS
 
 
 def read_profiles(folder: Path) -> list[InstructionProfile]:
+    """The profiles a run wrote into ``folder``, in rank order (one file per worker id)."""
     import json
 
     return [
         InstructionProfile.from_json(json.loads(p.read_text()))
-        for p in sorted(folder.glob("*.json"))
+        for p in sorted(folder.glob("*.json"), key=lambda p: worker_id_order(p.stem))
     ]
+
+
+# The CPU of one instruction in one step: the schedule thread's and the other threads'.
+CpuSplit = tuple[float, float]
+
+
+def cpu_split_per_step(profile: InstructionProfile) -> dict[str, CpuSplit]:
+    """CPU seconds per step by instruction (``WHOLE_STEP``: the step), split into the
+    schedule thread's and the rest of the process's (gloo's and the sender's threads)."""
+    process, thread = profile.cpu_per_step(), profile.thread_cpu_per_step()
+    assert set(thread) == set(process), "a profile without the schedule thread's CPU"
+    return {name: (thread[name], process[name] - thread[name]) for name in process}
+
+
+def paired_cpu(
+    rounds: Sequence[tuple[Sequence[Mapping[str, CpuSplit]], Sequence[Mapping[str, CpuSplit]]]],
+) -> list[dict[str, dict[str, Any]]]:
+    """Per rank and instruction, a variant's CPU per step against a baseline's, paired by
+    round: ``rounds`` holds, per round, (variant, baseline), each a per-rank list of
+    :func:`cpu_split_per_step`. For each: both sides' medians over rounds (schedule thread,
+    other threads) and the spread of the per-round differences, variant minus baseline. An
+    instruction one side never ran counts 0 there (lazy's ``ReplicaStep`` against off)."""
+    assert rounds and len({len(r) for pair in rounds for r in pair}) == 1, "ranks differ"
+    ranks = len(rounds[0][0])
+    out: list[dict[str, dict[str, Any]]] = []
+    for rank in range(ranks):
+        names = sorted({n for pair in rounds for side in pair for n in side[rank]})
+        per_name: dict[str, dict[str, Any]] = {}
+        for name in names:
+            variant = [pair[0][rank].get(name, (0.0, 0.0)) for pair in rounds]
+            base = [pair[1][rank].get(name, (0.0, 0.0)) for pair in rounds]
+            per_name[name] = {
+                "variant_s": [median([v[i] for v in variant]) for i in (0, 1)],
+                "baseline_s": [median([b[i] for b in base]) for i in (0, 1)],
+                "difference_s": [
+                    spread([v[i] - b[i] for v, b in zip(variant, base, strict=True)])
+                    for i in (0, 1)
+                ],
+            }
+        out.append(per_name)
+    return out
+
+
+def format_paired_cpu(
+    paired: Sequence[Mapping[str, Mapping[str, Any]]], variant: str, baseline: str
+) -> str:
+    """A Markdown table of :func:`paired_cpu`: ms of CPU per step, schedule thread / other
+    threads, each instruction whose difference's median is at least 0.05 ms either way,
+    and the whole step (last)."""
+
+    def ms(pair: Sequence[float]) -> str:
+        return f"{pair[0] * 1000:.1f} / {pair[1] * 1000:.1f}"
+
+    def diff(s: Mapping[str, float]) -> str:
+        return f"{s['median'] * 1000:+.1f} ({s['min'] * 1000:+.1f}..{s['max'] * 1000:+.1f})"
+
+    rows = [
+        f"| rank | instruction | {baseline} | {variant} | {variant} - {baseline}, schedule thread "
+        "| other threads |",
+        "|---:|---|---:|---:|---:|---:|",
+    ]
+    for rank, per_name in enumerate(paired):
+        shown = [
+            n
+            for n, f in per_name.items()
+            if n != WHOLE_STEP and max(abs(d["median"]) for d in f["difference_s"]) >= 5e-5
+        ]
+        for name in [*shown, WHOLE_STEP] if WHOLE_STEP in per_name else shown:
+            f = per_name[name]
+            label = "the whole step" if name == WHOLE_STEP else name
+            rows.append(
+                f"| {rank} | {label} | {ms(f['baseline_s'])} | {ms(f['variant_s'])} "
+                f"| {diff(f['difference_s'][0])} | {diff(f['difference_s'][1])} |"
+            )
+    return "\n".join(rows)
 
 
 def mean_per_step(profiles: list[InstructionProfile], *, cpu: bool = False) -> dict[str, float]:

@@ -7,7 +7,11 @@ adds. With ``--pipelines P`` (2 or more), every case runs ``P`` data-parallel pi
 adds the mode ``lazy-sharded`` (lazy with ``spotline.redundancy.replica: "sharded"``: each
 replica holder keeps 1/P of its successor's state). With ``--alternate SECONDS`` a round's
 modes run at once and take turns on the host (:mod:`spotline.launch.bench.alternate`), and
-a mode's step time is the median of the steps that ran inside its turns.
+a mode's step time is the median of the steps that ran inside its turns. With
+``--profile`` every run also times its schedule's instructions
+(:mod:`spotline.instruction_profile`), and the report gives, per rank and instruction, each
+mode's CPU per step against off's, paired by round: where a mode's extra work lands (CPU
+time stands still while a job is stopped, so this holds for alternated rounds too).
 """
 
 from __future__ import annotations
@@ -44,6 +48,12 @@ from spotline.launch.bench.jobs import (
     spread,
     start_spotline_train,
     write_config,
+)
+from spotline.launch.bench.profile import (
+    cpu_split_per_step,
+    format_paired_cpu,
+    paired_cpu,
+    read_profiles,
 )
 from spotline.plan.schedule import REDUNDANCY_MODES
 
@@ -186,6 +196,32 @@ def _state_ratio(run: dict[str, Any], off: dict[str, Any]) -> float | None:
     return largest(run) / largest(off)
 
 
+PROFILES = "instructions"
+"""The folder, in a run's directory, its instruction profiles go to (``--profile``)."""
+
+
+def profile_env(run_dir: Path, profile: bool) -> dict[str, str]:
+    """The environment that makes a run profile its instructions into ``run_dir``."""
+    from spotline.instruction_profile import PROFILE_ENV
+
+    return {PROFILE_ENV: str((run_dir / PROFILES).resolve())} if profile else {}
+
+
+def with_cpu_profile(summary: dict[str, Any], run_dir: Path, profile: bool) -> dict[str, Any]:
+    """``summary`` with ``cpu_per_step_per_rank``: each rank's :func:`cpu_split_per_step`
+    (``--profile``); unchanged without."""
+    if profile:
+        profiles = read_profiles(run_dir / PROFILES)
+        if len(profiles) != len(summary["peak_rss_mib_per_rank"]):
+            raise RunFailed(
+                f"--profile: {run_dir} holds {len(profiles)} instruction profile(s) for "
+                f"{len(summary['peak_rss_mib_per_rank'])} ranks (a rank was replaced?)",
+                1,
+            )
+        summary["cpu_per_step_per_rank"] = [cpu_split_per_step(p) for p in profiles]
+    return summary
+
+
 MIN_STEPS_IN_TURNS = 3
 """The fewest steps inside its turns a mode's alternated run may give: a median of fewer
 says little."""
@@ -198,6 +234,7 @@ def run_alternated_rounds(
     work: Path,
     turn_s: float,
     label: str,
+    profile: bool = False,
 ) -> dict[str, list[dict[str, Any]]]:
     """``repeats`` rounds, each running every mode's job at once, in turns of ``turn_s``
     seconds; a result's ``step_time_s`` is the median of its steps inside its turns (and
@@ -209,15 +246,19 @@ def run_alternated_rounds(
         try:
             for mode in modes:
                 run_dir = work / f"{mode}-r{round_idx}"
-                started.append(
-                    (mode, run_dir, start_spotline_train(config, run_dir, MODE_FLAGS[mode]))
+                proc = start_spotline_train(
+                    config, run_dir, MODE_FLAGS[mode], profile_env(run_dir, profile)
                 )
+                started.append((mode, run_dir, proc))
             jobs = [AlternatedJob(m, proc, log_ready(d / "bench.log")) for m, d, proc in started]
             # Each round another mode takes the first turn: no mode is always the one that
             # runs right after the start-ups.
             first = round_idx % len(jobs)
             turns = take_turns(jobs[first:] + jobs[:first], turn_s)
-            summaries = {mode: finish_spotline_train(proc, d) for mode, d, proc in started}
+            summaries = {
+                mode: with_cpu_profile(finish_spotline_train(proc, d), d, profile)
+                for mode, d, proc in started
+            }
         finally:
             for _, _, proc in started:
                 if proc.poll() is None:  # another job failed, or Ctrl-C
@@ -260,10 +301,11 @@ def bench_redundancy(
     settings: BenchSettings,
     cases: Sequence[RedundancyCase],
     alternate_s: float | None = None,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Redundancy off/lazy/eager (and lazy-sharded with pipelines), interleaved (or, with
     ``alternate_s``, taking turns of that many seconds), for each case; medians and ratios
-    to off."""
+    to off; with ``profile``, each mode's CPU by instruction against off's."""
     if alternate_s is not None:
         for case in cases:
             check_alternation(alternate_s, len(case.modes))
@@ -301,14 +343,18 @@ def bench_redundancy(
         def run_one(
             mode: str, round_idx: int, work: Path = work, config: Path = config
         ) -> dict[str, Any]:
-            return run_spotline_train(config, work / f"{mode}-r{round_idx}", list(MODE_FLAGS[mode]))
+            run_dir = work / f"{mode}-r{round_idx}"
+            summary = run_spotline_train(
+                config, run_dir, list(MODE_FLAGS[mode]), profile_env(run_dir, profile)
+            )
+            return with_cpu_profile(summary, run_dir, profile)
 
         label = f"redundancy {case.name}"
         if alternate_s is None:
             results = run_rounds(case.modes, settings.repeats, run_one, label)
         else:
             results = run_alternated_rounds(
-                case.modes, settings.repeats, config, work, alternate_s, label
+                case.modes, settings.repeats, config, work, alternate_s, label, profile
             )
         modes: dict[str, Any] = {}
         for mode, runs in results.items():
@@ -342,6 +388,13 @@ def bench_redundancy(
             m["peak_rss_ratio_to_off_max_rank"] = max(m["peak_rss_mib_per_rank"]) / max(
                 off["peak_rss_mib_per_rank"]
             )
+            if profile and mode != "off":
+                m["cpu_vs_off_per_rank"] = paired_cpu(
+                    [
+                        (run["cpu_per_step_per_rank"], base["cpu_per_step_per_rank"])
+                        for run, base in zip(results[mode], results["off"], strict=True)
+                    ]
+                )
             m["peak_rss_ratio_to_off_per_rank"] = [
                 a / b
                 for a, b in zip(
@@ -456,6 +509,17 @@ def format_redundancy(report: dict[str, Any]) -> str:
     )
     lines = [head, "", *rows, "", "Model state per rank, MiB (counted from the tensors):", ""]
     lines += state_rows
+    for case in report["cases"]:
+        for mode, m in case["modes"].items():
+            if "cpu_vs_off_per_rank" in m:
+                lines += [
+                    "",
+                    f"CPU per step by instruction, {case['case']}, {mode} against off, ms: "
+                    "the schedule's thread / the process's other threads (median over "
+                    "rounds); the paired difference per round, median (min..max):",
+                    "",
+                    format_paired_cpu(m["cpu_vs_off_per_rank"], mode, "off"),
+                ]
     if report["missing_fields"]:
         lines += [
             "",
