@@ -131,3 +131,8 @@ def test_the_round_profiles_where_lazys_cpu_goes(
             assert rank[name]["baseline_s"][0] > 0 and rank[name]["variant_s"][0] > 0
     assert "CPU per step by instruction, 2x2, lazy against off" in stdout
     assert "| 1 | the whole step |" in stdout
+    # The wall-clock counters, which hold the pauses, are not shown as figures.
+    [lazy_row] = [
+        line for line in stdout.splitlines() if line.startswith("| 2x2 (2 procs) | lazy |")
+    ]
+    assert lazy_row.split(" | ").count("paused") == 2

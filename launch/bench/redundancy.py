@@ -459,6 +459,9 @@ def format_redundancy(report: dict[str, Any]) -> str:
         "| redundant fwd (ms/step per rank) | replica sync (ms/step per rank) | hidden fraction | extra steps |",
         "|---|---|---:|---:|---|---:|---:|---|---|---:|---:|",
     ]
+    # Those two counters are wall-clock totals over a whole run: taking turns, they hold the
+    # pauses that fell inside a wait (a receive posted before a stop), so they are not shown.
+    paused = report.get("alternate_s") is not None
     for case in report["cases"]:
         for mode, m in case["modes"].items():
             hidden = f"{case['hidden_fraction']:.2f}" if mode == "eager" else "-"
@@ -468,6 +471,8 @@ def format_redundancy(report: dict[str, Any]) -> str:
                 "n/a" if redundant is None else per_rank([v * 1000 for v in redundant], ".1f")
             )
             ms_sync = "n/a" if sync is None else per_rank([v * 1000 for v in sync], ".1f")
+            if paused:
+                ms_redundant = ms_sync = "paused"
             ratio = m["model_state_ratio_to_off_max_rank"]
             state = "n/a" if ratio is None else f"{ratio:.3f}"
             rows.append(
@@ -520,6 +525,12 @@ def format_redundancy(report: dict[str, Any]) -> str:
                     "",
                     format_paired_cpu(m["cpu_vs_off_per_rank"], mode, "off"),
                 ]
+    if paused:
+        lines += [
+            "",
+            "paused: wall-clock counters over the whole run, which hold the pauses of taking "
+            "turns; `--profile` gives each mode's work in CPU time, which pauses do not move.",
+        ]
     if report["missing_fields"]:
         lines += [
             "",
