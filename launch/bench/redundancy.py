@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from spotline.errors import UserError
+from spotline.instruction_profile import PROFILE_ENV
 from spotline.launch.bench.alternate import (
     AlternatedJob,
     check_alternation,
@@ -202,8 +203,6 @@ PROFILES = "instructions"
 
 def profile_env(run_dir: Path, profile: bool) -> dict[str, str]:
     """The environment that makes a run profile its instructions into ``run_dir``."""
-    from spotline.instruction_profile import PROFILE_ENV
-
     return {PROFILE_ENV: str((run_dir / PROFILES).resolve())} if profile else {}
 
 
