@@ -13,8 +13,9 @@ time of the thread that runs the schedule. Wall less process CPU is waiting, so 
 tells the work a variant adds from the waits it causes; with more processes than cores, the
 step is the CPU summed over the ranks. Process CPU less the schedule thread's is what the
 other threads did meanwhile (the transfers' copies). CPU time stands still while the
-process is stopped (SIGSTOP), so CPU figures hold for runs that take turns on the host. The process's first optimizer step is
-left out (its one-off costs: allocations, first collectives), and the time between two
+process is stopped (SIGSTOP), so CPU figures hold for runs that take turns on the host.
+The process's first optimizer step is left out (its one-off costs: allocations, first
+collectives), and the time between two
 optimizer steps' ends is counted as the step, so what a step spends outside the schedule
 (the loop, the loss, the store) is measured, not inferred.
 """
@@ -36,6 +37,14 @@ STEP = "OptimizerStep"
 # ``seconds`` and ``cpu_seconds`` beside the instructions'.
 WHOLE_STEP = "step"
 
+Clocks = tuple[float, float, float]
+
+
+def _clocks() -> Clocks:
+    """The three clocks an instruction is timed on: wall, the process's CPU, and the CPU of
+    the calling thread (the schedule's)."""
+    return time.perf_counter(), time.process_time(), time.thread_time()
+
 
 @dataclass
 class InstructionProfile:
@@ -49,7 +58,7 @@ class InstructionProfile:
     thread_cpu_seconds: dict[str, float] = field(default_factory=dict)
     # (wall, process CPU, thread CPU) clocks at the end of the last optimizer step; None
     # before the first.
-    _mark: tuple[float, float, float] | None = field(default=None, repr=False, compare=False)
+    _mark: Clocks | None = field(default=None, repr=False, compare=False)
 
     @property
     def steps(self) -> int:
@@ -65,23 +74,15 @@ class InstructionProfile:
         if self._mark is None:
             # Before the first optimizer step's end: one-off costs, not counted.
             if name == STEP:
-                self._mark = (time.perf_counter(), time.process_time(), time.thread_time())
+                self._mark = _clocks()
             return
-        for into, value in (
-            (self.seconds, seconds),
-            (self.cpu_seconds, cpu_seconds),
-            (self.thread_cpu_seconds, thread_cpu_seconds),
-        ):
+        totals = (self.seconds, self.cpu_seconds, self.thread_cpu_seconds)
+        for into, value in zip(totals, (seconds, cpu_seconds, thread_cpu_seconds), strict=True):
             into[name] = into.get(name, 0.0) + value
         self.calls[name] = self.calls.get(name, 0) + 1
         if name == STEP:
-            now = (time.perf_counter(), time.process_time(), time.thread_time())
-            for into, end, start in zip(
-                (self.seconds, self.cpu_seconds, self.thread_cpu_seconds),
-                now,
-                self._mark,
-                strict=True,
-            ):
+            now = _clocks()
+            for into, end, start in zip(totals, now, self._mark, strict=True):
                 into[WHOLE_STEP] = into.get(WHOLE_STEP, 0.0) + end - start
             self._mark = now
 
@@ -107,16 +108,20 @@ class InstructionProfile:
     def per_step(self) -> dict[str, float]:
         """Wall seconds per step by instruction (the steps measured, at least one); the
         whole step under ``WHOLE_STEP``."""
-        return {k: v / max(1, self.steps) for k, v in self.seconds.items()}
+        return self._per_step(self.seconds)
 
     def cpu_per_step(self) -> dict[str, float]:
         """CPU seconds per step by instruction; the whole step under ``WHOLE_STEP``."""
-        return {k: v / max(1, self.steps) for k, v in self.cpu_seconds.items()}
+        return self._per_step(self.cpu_seconds)
 
     def thread_cpu_per_step(self) -> dict[str, float]:
         """The schedule thread's CPU seconds per step by instruction (``WHOLE_STEP``: the
         whole step's)."""
-        return {k: v / max(1, self.steps) for k, v in self.thread_cpu_seconds.items()}
+        return self._per_step(self.thread_cpu_seconds)
+
+    def _per_step(self, totals: Mapping[str, float]) -> dict[str, float]:
+        # Over the steps measured, at least one.
+        return {k: v / max(1, self.steps) for k, v in totals.items()}
 
 
 def profile_dir() -> Path | None:
@@ -131,16 +136,11 @@ def timed_map(
 
     def timed(name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
         def run(engine: Any, **kwargs: Any) -> Any:
-            t0, c0, h0 = time.perf_counter(), time.process_time(), time.thread_time()
+            start = _clocks()
             try:
                 return handler(engine, **kwargs)
             finally:
-                profile.add(
-                    name,
-                    time.perf_counter() - t0,
-                    time.process_time() - c0,
-                    time.thread_time() - h0,
-                )
+                profile.add(name, *(end - s for end, s in zip(_clocks(), start, strict=True)))
 
         return run
 
