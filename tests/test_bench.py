@@ -99,6 +99,8 @@ def test_per_worker_summaries_become_per_rank_lists() -> None:
         ["redundancy", "--modes", ","],
         ["redundancy", "--alternate", "0"],
         ["redundancy", "--alternate", "5"],
+        ["foundation", "--alternate", "5"],
+        ["foundation", "--alternate", "-1"],
         ["foundation", "--cases", "2x2"],
         ["reduce", "--ranks", "2", "--logical-workers", "3"],
         ["reduce", "--elements", "0"],

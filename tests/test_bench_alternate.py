@@ -1,4 +1,4 @@
-"""``spotline bench redundancy --alternate``: a round's modes run at once, taking turns.
+"""``spotline bench redundancy|foundation --alternate``: a round's jobs run at once, taking turns.
 
 The pure parts without processes (which steps count, which turns are allowed); then one
 real round of two ``spotline train`` jobs whose whole process trees are stopped and
@@ -7,17 +7,24 @@ stood still outside their turns, every pause was survived without a recovery (a 
 waiting across a pause used to time out: ``spotline.group_setup.wait_p2p``), both modes
 end on the same parameters, and the step time comes from steps inside the turns. The same
 round profiles its instructions (``--profile``): lazy's CPU by instruction against off's.
+
+The foundation's round adds the stock baseline, whose ranks have no coordinator: they run
+under one root (``rank_group``), which must pass a stop to all of them and take them down
+with it. One real round of the three jobs checks the same, on stand-in ranks first.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_spotline
+from conftest import REPO, run_spotline
 
 from spotline.errors import UserError
 from spotline.launch.bench.alternate import (
@@ -25,8 +32,11 @@ from spotline.launch.bench.alternate import (
     Turn,
     check_alternation,
     heartbeat_timeout_for,
+    process_tree,
     steps_in_turns,
 )
+from spotline.launch.bench.jobs import RunFailed
+from spotline.launch.bench.rank_group import finish_rank_group, start_rank_group
 
 
 def test_a_step_counts_only_inside_one_turn_from_start_to_end() -> None:
@@ -46,6 +56,9 @@ def test_turns_must_keep_every_pause_short() -> None:
     check_alternation(MAX_PAUSE_S / 3, 4)
     with pytest.raises(UserError, match=r"--alternate 2\.66667 or less, or fewer --modes"):
         check_alternation(3.0, 4)
+    # The foundation's three variants are not --modes: no fewer to choose.
+    with pytest.raises(UserError, match=r"with 3 variants stops each job 10 s .* 4 or less$"):
+        check_alternation(5.0, 3, "variants")
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(UserError, match="more than 0 seconds"):
             check_alternation(bad, 2)
@@ -136,3 +149,80 @@ def test_the_round_profiles_where_lazys_cpu_goes(
         line for line in stdout.splitlines() if line.startswith("| 2x2 (2 procs) | lazy |")
     ]
     assert lazy_row.split(" | ").count("paused") == 2
+
+
+# ------------------------------------------------------------------------ rank groups
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_rank_group_is_one_tree_that_takes_its_ranks_down(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stand-in ranks (tests/workers/agent_child.py): a terminated root leaves no rank
+    behind (the bench's clean-up, Ctrl-C), and a failed rank is one RunFailed naming the
+    logs."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO / "tests" / "workers"))
+    proc = start_rank_group("agent_child", ["sleep"], 2, tmp_path / "sleep")
+    ranks: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(process_tree(proc.pid)) < 3:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        ranks = process_tree(proc.pid)[1:]
+        proc.terminate()
+        assert proc.wait(timeout=30) != 0
+        assert not any(_alive(pid) for pid in ranks), "a rank outlived its group's root"
+    finally:
+        for pid in [proc.pid, *ranks]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    failing = start_rank_group("agent_child", ["exit", "3"], 2, tmp_path / "exit")
+    with pytest.raises(RunFailed, match=r"stand-in exited 1; see .*exit/bench\.log") as err:
+        finish_rank_group(failing, tmp_path / "exit", "stand-in")
+    assert err.value.exit_code == 1
+    assert "ranks exited [3, 3]" in (tmp_path / "exit" / "bench.log").read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_foundations_three_jobs_take_turns(tmp_path: Path) -> None:
+    """Spotline (lazy), redundancy off and the stock ranks in one round of 2.5 s turns:
+    none ends a step in another's turn (the stock group stood still as one), each is timed
+    on its own turns' steps, and both Spotline jobs end on the same parameters."""
+    out = tmp_path / "bench"
+    argv = ["bench", "foundation", "--alternate", "2.5", "--steps", "60", "--repeats", "1"]
+    proc = run_spotline([*argv, "--output", str(out)], timeout=540)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    report = json.loads((out / "bench-foundation.json").read_text())
+    assert report["alternate_s"] == 2.5
+    assert "median of 1 rounds taking turns of 2.5 s (steps inside the turns)" in proc.stdout
+    work = out / "foundation"
+    results = {
+        "spotline": json.loads((work / "spotline-r0" / "summary.json").read_text()),
+        "spotline-off": json.loads((work / "spotline-off-r0" / "summary.json").read_text()),
+        "stock": json.loads((work / "stock-r0" / "result.json").read_text()),
+    }
+    variants = report["variants"]
+    turns = {v: [Turn(v, a, b) for a, b in variants[v]["runs"][0]["turns"]] for v in results}
+    for variant, result in results.items():
+        for other in results.keys() - {variant}:
+            for t in turns[other]:
+                ends = result["step_ended_at_s"]
+                assert not any(t.start < e < t.end for e in ends), (variant, other)
+        inside = steps_in_turns(result["step_times_s"], result["step_ended_at_s"], turns[variant])
+        assert variants[variant]["runs"][0]["steps_in_turns"] == len(inside)
+        assert 3 <= len(inside) < 60
+        assert variants[variant]["step_time_s"] == statistics.median(
+            result["step_times_s"][i] for i in inside
+        )
+    assert results["spotline"]["param_sha256"] == results["spotline-off"]["param_sha256"]
+    assert (results["spotline"]["generations"], results["spotline"]["recoveries"]) == (1, 0)

@@ -3,6 +3,7 @@
     spotline bench foundation [--steps 30] [--repeats 3] [--output runs/bench]
     spotline bench foundation --model gpt2-big     (or --ladder gpt2: tiny, mid, big)
     spotline bench foundation --stages 4           (4 stages x 1 pipeline; default 2 x 2)
+    spotline bench foundation --alternate 4        (a round's jobs at once, taking turns)
     spotline bench redundancy [--steps 30] [--repeats 3] [--cases 2x2,2x4,4x4] [--pipelines 2]
                               [--modes lazy,lazy-sharded] [--alternate 6] [--profile]
     spotline bench recovery --trace FILE [--time-scale 60] [--max-workers 3]
@@ -160,15 +161,6 @@ def build_parser() -> argparse.ArgumentParser:
         "default: all the case can run); off always runs, every ratio is over it",
     )
     redundancy.add_argument(
-        "--alternate",
-        type=float,
-        default=None,
-        metavar="SECONDS",
-        help="run a round's modes at once, taking turns of SECONDS on the host (the others "
-        "stopped), and time the steps inside the turns: the host's drift is then the same "
-        "for every mode (default: one run after another)",
-    )
-    redundancy.add_argument(
         "--profile",
         action="store_true",
         help="also time every schedule instruction of every run, and report each mode's CPU "
@@ -256,6 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="seconds per step by schedule instruction: Spotline (lazy, off) and stock",
     )
+    for turns in (foundation, redundancy):
+        turns.add_argument(
+            "--alternate",
+            type=float,
+            default=None,
+            metavar="SECONDS",
+            help="run a round's jobs at once, taking turns of SECONDS on the host (the others "
+            "stopped), and time the steps inside the turns: the host's drift is then the same "
+            "for every job (default: one run after another)",
+        )
     for four_workers in (foundation, profile):
         four_workers.add_argument(
             "--stages",
@@ -339,7 +341,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 def run_bench(args: argparse.Namespace, settings: BenchSettings) -> tuple[dict[str, Any], str]:
     """One benchmark on ``settings``: its report and its table."""
     if args.bench == "foundation":
-        report = bench_foundation(settings, args.stages)
+        report = bench_foundation(settings, args.stages, args.alternate)
         return report, format_foundation(report)
     if args.bench == "recovery":
         report = bench_recovery(settings, args.trace, args.time_scale, args.max_workers)

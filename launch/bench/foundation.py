@@ -3,7 +3,10 @@
 ``spotline train`` against the same model, batches and steps trained by DeepSpeed's stock
 ``PipelineEngine`` (the rank worker :mod:`spotline.launch.bench.stock_worker`), on 4 workers:
 2 stages x 2 pipelines by default, 4 stages x 1 pipeline with ``--stages 4``; interleaved
-rounds; medians and the ratios Spotline / stock.
+rounds; medians and the ratios Spotline / stock. With ``--alternate SECONDS`` a round's three
+jobs run at once and take turns on the host (:mod:`spotline.launch.bench.alternate`; the
+stock ranks under one root, :mod:`spotline.launch.bench.rank_group`), and a step time is the
+median of the steps inside the job's turns.
 """
 
 from __future__ import annotations
@@ -12,6 +15,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from spotline.launch.bench.alternate import (
+    Launcher,
+    alternation_overrides,
+    check_alternation,
+    log_ready,
+    run_alternated_rounds,
+    spotline_launcher,
+)
 from spotline.launch.bench.jobs import (
     BenchSettings,
     format_median_interval,
@@ -27,6 +38,9 @@ from spotline.launch.bench.jobs import (
     spread,
     write_config,
 )
+from spotline.launch.bench.rank_group import finish_rank_group, start_rank_group
+
+STOCK_MODULE = "spotline.launch.bench.stock_worker"
 
 
 def run_stock(
@@ -34,7 +48,7 @@ def run_stock(
 ) -> dict[str, Any]:
     """``num_workers`` ranks of ``spotline.launch.bench.stock_worker``; returns rank 0's JSON."""
     return run_rank_module(
-        "spotline.launch.bench.stock_worker",
+        STOCK_MODULE,
         ["--config", str(config)],
         num_workers,
         run_dir,
@@ -62,11 +76,37 @@ def topology_overrides(stages: int) -> dict[str, int]:
 FOUNDATION_KEYS = ("samples_per_s", "step_time_s", "wall_s", "setup_s", "final_loss", "process_s")
 
 
-def bench_foundation(settings: BenchSettings, stages: int = 2) -> dict[str, Any]:
-    """Spotline's engine vs DeepSpeed's stock engine on 4 workers in ``stages`` stages."""
+def stock_launcher(config: Path, num_workers: int) -> Launcher:
+    """The stock baseline's ranks under one root, to take turns with ``spotline train`` jobs:
+    ready once rank 0 printed its first step."""
+    return Launcher(
+        start=lambda run_dir: start_rank_group(
+            STOCK_MODULE, ["--config", str(config)], num_workers, run_dir
+        ),
+        ready=lambda run_dir: log_ready(run_dir / "logs" / "worker-0.log"),
+        finish=lambda proc, run_dir: finish_rank_group(proc, run_dir, "stock DeepSpeed"),
+    )
+
+
+def bench_foundation(
+    settings: BenchSettings, stages: int = 2, alternate_s: float | None = None
+) -> dict[str, Any]:
+    """Spotline's engine vs DeepSpeed's stock engine on 4 workers in ``stages`` stages; with
+    ``alternate_s``, a round's jobs at once, taking turns of that many seconds."""
     from spotline.launch.bench.stock_worker import TIED_NOTE
 
+    if alternate_s is not None:
+        check_alternation(alternate_s, len(FOUNDATION_VARIANTS), "variants")
     cfg = resolve_base_config(settings, topology_overrides(stages))
+    if alternate_s is not None:
+        from spotline.config import with_overrides
+
+        cfg = with_overrides(
+            cfg,
+            alternation_overrides(
+                alternate_s, len(FOUNDATION_VARIANTS), cfg.spotline.recovery.heartbeat_timeout_s
+            ),
+        )
     work = settings.output / "foundation"
     config = write_config(cfg, work / "config.json")
     info_before = machine_info()
@@ -77,16 +117,25 @@ def bench_foundation(settings: BenchSettings, stages: int = 2) -> dict[str, Any]
             return run_spotline_train(config, run_dir, VARIANT_FLAGS[variant])
         return run_stock(config, cfg.num_workers, run_dir)
 
-    results = run_rounds(FOUNDATION_VARIANTS, settings.repeats, run_one, "foundation")
+    if alternate_s is None:
+        results = run_rounds(FOUNDATION_VARIANTS, settings.repeats, run_one, "foundation")
+    else:
+        launchers = {
+            variant: spotline_launcher(config, VARIANT_FLAGS[variant])
+            if variant in VARIANT_FLAGS
+            else stock_launcher(config, cfg.num_workers)
+            for variant in FOUNDATION_VARIANTS
+        }
+        results = run_alternated_rounds(
+            launchers, settings.repeats, work, alternate_s, "foundation", cfg.samples_per_step
+        )
     variants: dict[str, Any] = {}
+    kept = (*FOUNDATION_KEYS, "peak_rss_mib_per_rank", "steps_in_turns", "turns")
     for variant, runs in results.items():
         variants[variant] = {
             **medians(runs, FOUNDATION_KEYS),
             "peak_rss_mib_per_rank": median_per_rank([r["peak_rss_mib_per_rank"] for r in runs]),
-            "runs": [
-                {k: r[k] for k in (*FOUNDATION_KEYS, "peak_rss_mib_per_rank") if k in r}
-                for r in runs
-            ],
+            "runs": [{k: r[k] for k in kept if k in r} for r in runs],
         }
     spot, stock = variants["spotline"], variants["stock"]
     ratios: dict[str, Any] = {
@@ -118,7 +167,13 @@ def bench_foundation(settings: BenchSettings, stages: int = 2) -> dict[str, Any]
         "micro_batch_size": cfg.micro_batch_size,
         "steps": settings.steps,
         "repeats": settings.repeats,
-        "order": "interleaved: spotline, spotline-off, stock per round",
+        "alternate_s": alternate_s,
+        "order": (
+            "interleaved: spotline, spotline-off, stock per round"
+            if alternate_s is None
+            else f"each round's jobs at once, in turns of {alternate_s:g} s: "
+            + ", ".join(FOUNDATION_VARIANTS)
+        ),
         "statistic": "median over rounds (per rank for memory); ratios are spotline / stock",
         "variants": variants,
         "ratio_spotline_over_stock": ratios,
@@ -150,11 +205,16 @@ def format_foundation(report: dict[str, Any]) -> str:
         f"| ratio Spotline / stock | {r['samples_per_s']:.3f} | {r['step_time_s']:.3f} "
         f"| {' / '.join(f'{x:.3f}' for x in r['peak_rss_mib_per_rank'])} |"
     )
+    rounds = (
+        "interleaved rounds"
+        if report.get("alternate_s") is None
+        else f"rounds taking turns of {report['alternate_s']:g} s (steps inside the turns)"
+    )
     head = (
         f"### foundation: {report['model']}, {report['workers']} workers "
         f"({report['stages']} stages x {report['pipelines']} pipelines), "
         f"{report['micro_batches']} micro-batches of {report['micro_batch_size']}, "
-        f"{report['steps']} steps, median of {report['repeats']} interleaved rounds"
+        f"{report['steps']} steps, median of {report['repeats']} {rounds}"
     )
     spread_line = (
         "Step time over stock round by round, median (min-max): Spotline "

@@ -16,38 +16,32 @@ time stands still while a job is stopped, so this holds for alternated rounds to
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from spotline.errors import UserError
 from spotline.instruction_profile import PROFILE_ENV
 from spotline.launch.bench.alternate import (
-    AlternatedJob,
+    Launcher,
+    alternation_overrides,
     check_alternation,
-    heartbeat_timeout_for,
-    log_ready,
-    steps_in_turns,
-    take_turns,
+    run_alternated_rounds,
+    spotline_launcher,
 )
 from spotline.launch.bench.jobs import (
     BenchSettings,
     RunFailed,
-    finish_spotline_train,
     format_spread,
     machine_info,
-    median,
     median_per_rank,
     medians,
-    progress,
     resolve_base_config,
     round_ratios,
     run_rounds,
     run_spotline_train,
     spread,
-    start_spotline_train,
     write_config,
 )
 from spotline.launch.bench.profile import (
@@ -221,79 +215,14 @@ def with_cpu_profile(summary: dict[str, Any], run_dir: Path, profile: bool) -> d
     return summary
 
 
-MIN_STEPS_IN_TURNS = 3
-"""The fewest steps inside its turns a mode's alternated run may give: a median of fewer
-says little."""
-
-
-def run_alternated_rounds(
-    modes: Sequence[str],
-    repeats: int,
-    config: Path,
-    work: Path,
-    turn_s: float,
-    label: str,
-    profile: bool = False,
-) -> dict[str, list[dict[str, Any]]]:
-    """``repeats`` rounds, each running every mode's job at once, in turns of ``turn_s``
-    seconds; a result's ``step_time_s`` is the median of its steps inside its turns (and
-    ``samples_per_s`` follows it). ``wall_s`` and ``process_s`` include the pauses."""
-    results: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
-    for round_idx in range(repeats):
-        t0 = time.perf_counter()
-        started: list[tuple[str, Path, Any]] = []
-        try:
-            for mode in modes:
-                run_dir = work / f"{mode}-r{round_idx}"
-                proc = start_spotline_train(
-                    config, run_dir, MODE_FLAGS[mode], profile_env(run_dir, profile)
-                )
-                started.append((mode, run_dir, proc))
-            jobs = [AlternatedJob(m, proc, log_ready(d / "bench.log")) for m, d, proc in started]
-            # Each round another mode takes the first turn: no mode is always the one that
-            # runs right after the start-ups.
-            first = round_idx % len(jobs)
-            turns = take_turns(jobs[first:] + jobs[:first], turn_s)
-            summaries = {
-                mode: with_cpu_profile(finish_spotline_train(proc, d), d, profile)
-                for mode, d, proc in started
-            }
-        finally:
-            for _, _, proc in started:
-                if proc.poll() is None:  # another job failed, or Ctrl-C
-                    proc.terminate()
-                    proc.wait()
-        process_s = time.perf_counter() - t0
-        for mode, summary in summaries.items():
-            inside = steps_in_turns(
-                summary["step_times_s"], summary["step_ended_at_s"], turns[mode]
-            )
-            if len(inside) < MIN_STEPS_IN_TURNS:
-                raise RunFailed(
-                    f"--alternate: {mode}'s run (round {round_idx + 1}) ran {len(inside)} "
-                    f"step(s) inside its turns, fewer than {MIN_STEPS_IN_TURNS}; give more "
-                    "--steps",
-                    2,
-                )
-            step_s = median([summary["step_times_s"][s] for s in inside])
-            samples_per_step = summary["samples_per_s"] * summary["train_wall_s"] / summary["steps"]
-            summary.update(
-                step_time_s=step_s,
-                samples_per_s=samples_per_step / step_s,
-                process_s=process_s,
-                steps_in_turns=len(inside),
-                turns=[[turn.start, turn.end] for turn in turns[mode]],
-            )
-            results[mode].append(summary)
-        progress(
-            f"{label} round {round_idx + 1}/{repeats} ({process_s:.1f} s): "
-            + ", ".join(
-                f"{mode} {results[mode][-1]['step_time_s'] * 1000:.1f} ms over "
-                f"{results[mode][-1]['steps_in_turns']} steps in {len(results[mode][-1]['turns'])} turns"
-                for mode in modes
-            )
-        )
-    return results
+def profiled_launcher(config: Path, flags: Sequence[str], profile: bool) -> Launcher:
+    """A mode's ``spotline train`` job, to take turns with the others; with ``profile``, its
+    instructions profiled (``cpu_per_step_per_rank``)."""
+    base = spotline_launcher(config, flags, lambda run_dir: profile_env(run_dir, profile))
+    return replace(
+        base,
+        finish=lambda proc, run_dir: with_cpu_profile(base.finish(proc, run_dir), run_dir, profile),
+    )
 
 
 def bench_redundancy(
@@ -328,13 +257,9 @@ def bench_redundancy(
 
             cfg = with_overrides(
                 cfg,
-                {
-                    # Its progress lines say a job is past its start-up (alternate.READY_MARK).
-                    "spotline.tracking.progress": True,
-                    "spotline.recovery.heartbeat_timeout_s": heartbeat_timeout_for(
-                        alternate_s, len(case.modes), cfg.spotline.recovery.heartbeat_timeout_s
-                    ),
-                },
+                alternation_overrides(
+                    alternate_s, len(case.modes), cfg.spotline.recovery.heartbeat_timeout_s
+                ),
             )
         work = settings.output / "redundancy" / case.name
         config = write_config(cfg, work / "config.json")
@@ -352,8 +277,11 @@ def bench_redundancy(
         if alternate_s is None:
             results = run_rounds(case.modes, settings.repeats, run_one, label)
         else:
+            launchers = {
+                mode: profiled_launcher(config, MODE_FLAGS[mode], profile) for mode in case.modes
+            }
             results = run_alternated_rounds(
-                case.modes, settings.repeats, config, work, alternate_s, label, profile
+                launchers, settings.repeats, work, alternate_s, label, cfg.samples_per_step
             )
         modes: dict[str, Any] = {}
         for mode, runs in results.items():

@@ -15,7 +15,9 @@ in its ``ReduceTiedGrads``, as Spotline's engine does with its own tie (without 
 step skips that all-reduce: 60 ms a step at gpt2-big, charged to Spotline).
 
 Started by the bench (one process per rank, RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT/LOCAL_RANK
-in the environment, as ``spotline train`` starts its workers); rank 0 writes a JSON result.
+in the environment, as ``spotline train`` starts its workers); rank 0 prints a progress line
+after each step (as a ``spotline train`` coordinator does: ``--alternate`` waits for the
+first) and writes a JSON result.
 """
 
 from __future__ import annotations
@@ -83,7 +85,7 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
         profile_dir,
         write_profile,
     )
-    from spotline.loop import StepLog, run_steps
+    from spotline.loop import StepDone, StepHooks, StepLog, run_steps
     from spotline.plan.sampler import GlobalSampler
     from spotline.runtime import (
         configure_process,
@@ -146,8 +148,14 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
         )
         return float(loss)
 
+    class Progress(StepHooks):
+        def after_step(self, done: StepDone) -> None:
+            # The line a coordinator prints (tracking.Tracker): the bench's start-up mark.
+            print(f"spotline: step {done.step + 1}/{sl.training.steps}", flush=True)
+
     log = StepLog()
-    wall_s = run_steps(train_step, start=0, stop=sl.training.steps, hooks=[log]).wall_s
+    hooks: list[StepHooks] = [log, Progress()] if rank == 0 else [log]
+    wall_s = run_steps(train_step, start=0, stop=sl.training.steps, hooks=hooks).wall_s
     losses = list(log.losses.values())
     step_times = list(log.step_times.values())
     if profile is not None:
@@ -170,6 +178,9 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
             "wall_s": wall_s,
             "setup_s": setup_s,
             "step_time_s": sorted(step_times)[len(step_times) // 2],
+            # Rank 0's step times and ends (Unix time), as a spotline train summary has them.
+            "step_times_s": step_times,
+            "step_ended_at_s": list(log.step_ends.values()),
             "workers": cfg.num_workers,
             "stages": cfg.num_stages,
             "pipelines": cfg.num_pipelines,
