@@ -19,6 +19,8 @@ import json
 import os
 import signal
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -190,6 +192,49 @@ def test_a_rank_group_is_one_tree_that_takes_its_ranks_down(
         finish_rank_group(failing, tmp_path / "exit", "stand-in")
     assert err.value.exit_code == 1
     assert "ranks exited [3, 3]" in (tmp_path / "exit" / "bench.log").read_text()
+
+
+def _state(pid: int) -> str | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return None
+    return stat[stat.rindex(")") + 2]
+
+
+def test_a_terminated_bench_leaves_no_job_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM to a bench whose jobs take turns (tests/workers/alternating_bench.py: two
+    rank groups of stand-in ranks that never end): it leaves through its clean-ups, as on
+    Ctrl-C, so no process it started is left running, or stopped, behind it."""
+    monkeypatch.setenv("PYTHONPATH", str(REPO / "tests" / "workers"))
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "alternating_bench", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    tree: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        # Both groups up (the bench, 2 roots, 4 ranks), one of them stopped for the other.
+        while len(tree) < 7 or "T" not in [_state(pid) for pid in tree]:
+            assert bench.poll() is None and time.monotonic() < deadline, bench.returncode
+            time.sleep(0.05)
+            tree = process_tree(bench.pid)
+        bench.terminate()
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) and _state(pid) != "Z" for pid in tree[1:]):
+            left = {pid: _state(pid) for pid in tree[1:] if _alive(pid)}
+            assert time.monotonic() < deadline, f"left behind (pid: state): {left}"
+            time.sleep(0.05)
+    finally:
+        for pid in [bench.pid, *tree]:
+            if _alive(pid):
+                os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGKILL)
+        bench.wait()
 
 
 @pytest.mark.slow

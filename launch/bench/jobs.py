@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from spotline.errors import UserError
@@ -407,6 +409,11 @@ def fail(message: str) -> int:
     return EXIT_USAGE
 
 
+def exit_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    """A SIGTERM handler: leave as Ctrl-C would, through every ``finally`` (exit 143)."""
+    raise SystemExit(128 + signum)
+
+
 def run_guarded(
     name: str,
     parser: argparse.ArgumentParser,
@@ -414,13 +421,18 @@ def run_guarded(
     work: Callable[[argparse.Namespace], int],
 ) -> int:
     """Parse ``argv`` and run ``work``: exit 2 with one line for a user mistake (in the
-    arguments or in a job they started), 1 when a measured job failed."""
+    arguments or in a job they started), 1 when a measured job failed.
+
+    A SIGTERM ends ``work`` as Ctrl-C does, through its clean-ups: the jobs it started are
+    continued (``--alternate`` may have stopped them) and stopped. Python's default would
+    end this process alone and leave them running, or stopped, behind it."""
     try:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help
         return int(exc.code or 0)
     except UserError as exc:
         return fail(str(exc))
+    previous = signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
         return work(args)
     except UserError as exc:
@@ -430,3 +442,5 @@ def run_guarded(
             return fail(str(exc))
         print(f"spotline: {name} failed: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
+    finally:
+        signal.signal(signal.SIGTERM, previous)

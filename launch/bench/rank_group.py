@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from spotline.launch.bench.jobs import RunFailed, child_env, run_rank_module
+from spotline.launch.bench.jobs import RunFailed, child_env, exit_on_sigterm, run_rank_module
 
 
 def start_rank_group(
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # A SIGTERM (the bench giving up on the round) must reach the ranks: as an exception,
     # run_rank_module stops them on its way out; by default this process alone would die.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     try:
         run_rank_module(args.module, args.args, args.ranks, Path(args.run_dir), args.module)
     except RunFailed as exc:
