@@ -200,6 +200,32 @@ enough for what its agent asked its coordinator before the stop to be answered, 
 later pause adds to that question's wait."""
 
 
+def _hold_until_ready(jobs: Sequence[AlternatedJob], poll_s: float) -> bool:
+    """Wait until every job is ready, holding those ready early (see :func:`take_turns`);
+    False when a job exited first. The held jobs are left stopped or running."""
+    # job index -> (stopped?, since when): the ready jobs, held or in a slice.
+    held: dict[int, tuple[bool, float]] = {}
+    while True:
+        # A job once ready stays so: its log is read only until it is.
+        ready = [index in held or job.ready() for index, job in enumerate(jobs)]
+        if all(ready):
+            return True
+        if any(job.proc.poll() is not None for job in jobs):
+            return False
+        now = time.monotonic()
+        for index, job in enumerate(jobs):
+            if not ready[index]:
+                continue
+            stopped, since = held.get(index, (False, now))
+            if not stopped and (index not in held or now - since >= SLICE_S):
+                wait_stopped(signal_tree(job.proc.pid, signal.SIGSTOP))
+                held[index] = (True, time.monotonic())
+            elif stopped and now - since >= HOLD_S:
+                signal_tree(job.proc.pid, signal.SIGCONT)
+                held[index] = (False, now)
+        time.sleep(poll_s)
+
+
 def take_turns(
     jobs: Sequence[AlternatedJob], turn_s: float, poll_s: float = 0.02
 ) -> dict[str, list[Turn]]:
@@ -214,27 +240,9 @@ def take_turns(
     :data:`MAX_PAUSE_S`), so that it does not spend its steps while the others start."""
     turns: dict[str, list[Turn]] = {job.name: [] for job in jobs}
 
-    def any_exited() -> bool:
-        return any(job.proc.poll() is not None for job in jobs)
-
     try:
-        # job index -> (stopped?, since when): the ready jobs, held or in a slice.
-        held: dict[int, tuple[bool, float]] = {}
-        while not all(job.ready() for job in jobs):
-            if any_exited():
-                return turns  # one ended (or failed) in its start-up: no turns to take
-            now = time.monotonic()
-            for index, job in enumerate(jobs):
-                stopped, since = held.get(index, (False, now))
-                if index not in held and not job.ready():
-                    continue
-                if not stopped and (index not in held or now - since >= SLICE_S):
-                    wait_stopped(signal_tree(job.proc.pid, signal.SIGSTOP))
-                    held[index] = (True, time.monotonic())
-                elif stopped and now - since >= HOLD_S:
-                    signal_tree(job.proc.pid, signal.SIGCONT)
-                    held[index] = (False, now)
-            time.sleep(poll_s)
+        if not _hold_until_ready(jobs, poll_s):
+            return turns  # one ended (or failed) in its start-up: no turns to take
         for job in jobs:
             signal_tree(job.proc.pid, signal.SIGCONT)
         time.sleep(SLICE_S)

@@ -344,8 +344,6 @@ def run_rank_module(
     Each rank's output goes to ``run_dir/logs/worker-<rank>.log``. Raises RunFailed
     (exit 1, naming ``label``) when a rank fails.
     """
-    import json
-
     logs_dir = run_dir / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     result_path = run_dir / "result.json"
@@ -368,8 +366,21 @@ def run_rank_module(
     except BaseException:
         stop(procs)
         raise
-    if any(c != 0 for c in codes) or not result_path.exists():
-        raise RunFailed(f"{label} ranks exited {codes}; see {logs_dir}/worker-*.log", 1)
+    return rank_result(
+        run_dir,
+        all(c == 0 for c in codes),
+        f"{label} ranks exited {codes}; see {logs_dir}/worker-*.log",
+    )
+
+
+def rank_result(run_dir: Path, succeeded: bool, failure: str) -> dict[str, Any]:
+    """The JSON rank 0 wrote in ``run_dir`` (``result.json``); RunFailed (exit 1, with the
+    ``failure`` message) when the ranks did not all succeed or it is missing."""
+    import json
+
+    result_path = run_dir / "result.json"
+    if not succeeded or not result_path.exists():
+        raise RunFailed(failure, 1)
     result: dict[str, Any] = json.loads(result_path.read_text())
     return result
 

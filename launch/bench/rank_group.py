@@ -19,7 +19,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from spotline.launch.bench.jobs import RunFailed, child_env, exit_on_sigterm, run_rank_module
+from spotline.launch.bench.jobs import (
+    RunFailed,
+    child_env,
+    exit_on_sigterm,
+    rank_result,
+    run_rank_module,
+)
 
 
 def start_rank_group(
@@ -48,14 +54,10 @@ def start_rank_group(
 def finish_rank_group(proc: subprocess.Popen[bytes], run_dir: Path, label: str) -> dict[str, Any]:
     """Wait for a group :func:`start_rank_group` started; rank 0's JSON. Raises RunFailed
     (exit 1, naming ``label``) when it failed."""
-    import json
-
     code = proc.wait()
-    result_path = run_dir / "result.json"
-    if code != 0 or not result_path.exists():
-        raise RunFailed(f"{label} exited {code}; see {run_dir}/bench.log and {run_dir}/logs", 1)
-    result: dict[str, Any] = json.loads(result_path.read_text())
-    return result
+    return rank_result(
+        run_dir, code == 0, f"{label} exited {code}; see {run_dir}/bench.log and {run_dir}/logs"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

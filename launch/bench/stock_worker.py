@@ -85,6 +85,7 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
         profile_dir,
         write_profile,
     )
+    from spotline.launch.bench.alternate import READY_MARK
     from spotline.loop import StepDone, StepHooks, StepLog, run_steps
     from spotline.plan.sampler import GlobalSampler
     from spotline.runtime import (
@@ -151,7 +152,7 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
     class Progress(StepHooks):
         def after_step(self, done: StepDone) -> None:
             # The line a coordinator prints (tracking.Tracker): the bench's start-up mark.
-            print(f"spotline: step {done.step + 1}/{sl.training.steps}", flush=True)
+            print(f"{READY_MARK.decode()}{done.step + 1}/{sl.training.steps}", flush=True)
 
     log = StepLog()
     hooks: list[StepHooks] = [log, Progress()] if rank == 0 else [log]
