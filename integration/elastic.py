@@ -53,7 +53,7 @@ from spotline.errors import UserError, one_line
 from spotline.evaluation import Evaluator
 from spotline.exact import NonFiniteGradient
 from spotline.group_setup import connected_new_groups, init_generation_group, wait_p2p
-from spotline.heartbeat import Heartbeat
+from spotline.heartbeat import AbortWatch, Heartbeat
 from spotline.instruction_profile import (
     InstructionProfile,
     instrument,
@@ -71,6 +71,7 @@ from spotline.plan.shards import Piece, shard_pieces
 from spotline.protocol import (
     CHECKPOINT_ERRORS_COUNTER,
     FINAL_HASH_KEY,
+    WATCH_RELEASED,
     CheckpointWriteError,
     EvalResult,
     GenerationSetup,
@@ -80,7 +81,9 @@ from spotline.protocol import (
     Rebalance,
     Report,
     WorkerStats,
+    abort_entries,
     abort_key,
+    abort_watch_key,
     checkpoint_error_key,
     entry_key,
     eval_key,
@@ -103,6 +106,8 @@ OPT_KEYS = ("step", "exp_avg", "exp_avg_sq")
 # A worker whose coordinator is gone exits with this code (nobody is left to read it, but a
 # supervisor or a test can tell it from a crash).
 EXIT_COORDINATOR_LOST = 3
+# How long a member waits for its abort watch's thread to end after writing its release.
+ABORT_WATCH_JOIN_S = 5.0
 
 
 class CoordinatorLost(Exception):
@@ -463,6 +468,9 @@ class ElasticWorker:
         self._training_generation: int | None = None
         # Set when the training generation is aborted: ends its rendezvous store's waits.
         self._generation_aborted = threading.Event()
+        # The training generation's members and its abort watch (None outside a generation).
+        self._members: tuple[str, ...] = ()
+        self._abort_watch: AbortWatch | None = None
         self.train_start_t = float("inf")
         self.train_end_t = 0.0
         self.redundant_s = 0.0
@@ -489,14 +497,13 @@ class ElasticWorker:
         self._ckpt_errors_lock = threading.Lock()
 
     # -- plumbing ---------------------------------------------------------------------
-    def _start_heartbeat(self) -> None:
+    def _connect_store(self) -> AuthStore:
+        """A new client of the job's store: a client is one thread's."""
         from spotline.stores import connect_store
 
-        def connect() -> AuthStore:
-            return AuthStore(
-                connect_store(self.store_spec, timeout=timedelta(seconds=30)), self.token
-            )
+        return AuthStore(connect_store(self.store_spec, timeout=timedelta(seconds=30)), self.token)
 
+    def _start_heartbeat(self) -> None:
         def coordinator_lost() -> None:
             # The main thread may be blocked in a collective with live peers for as long
             # as the collective timeout: exit from here, now.
@@ -507,10 +514,11 @@ class ElasticWorker:
         interval_s = max(0.02, min(0.1, timeout_s / 10))
         self.heartbeat = Heartbeat(
             self.wid,
-            connect,
+            self._connect_store,
             interval_s=interval_s,
-            # A beat a second at most (five in the default 5 s timeout), the abort watch
-            # every interval_s.
+            # A beat a second at most (five in the default 5 s timeout). Each turn of
+            # interval_s re-shuts the connections of an aborted generation; it asks the
+            # store for the abort only when the abort watch cannot wait for it.
             beat_every=max(1, round(min(1.0, timeout_s / 5) / interval_s)),
             timeout_s=timeout_s,
             note=self._note,
@@ -527,7 +535,13 @@ class ElasticWorker:
             hb_store.set(leaving_key(self.wid), "1")
         training = self._training_generation
         aborted = self._generation_aborted
-        if training is not None and (aborted.is_set() or hb_store.check([abort_key(training)])):
+        watch = self._abort_watch
+        # The abort watch waits for it on the store; only a watch that could not wait is
+        # polled for here, once a beat.
+        polled = watch is None or not watch.watching
+        if training is not None and (
+            aborted.is_set() or (polled and hb_store.check([abort_key(training)]))
+        ):
             # A peer failed: unblock whatever gloo operation this process waits in, and
             # again at every beat until the main thread has left the generation: gloo
             # retries a failed connect (to a machine gone silent, each try would wait out
@@ -728,6 +742,8 @@ class ElasticWorker:
         # is being set up must unblock this process as it would mid-step.
         self._generation_aborted = threading.Event()  # before the watchdog can see g
         self._training_generation = generation
+        self._members = tuple(layout.members)
+        self._abort_watch = self._watch_for_abort(generation)
         outcome: Outcome = "failed"
         self.error = None
         try:
@@ -777,8 +793,42 @@ class ElasticWorker:
             self._abort_generation(generation)
         # Outside the except block: the traceback (and the engine it references) is gone.
         self._training_generation = None
+        self._release_abort_watch(generation)
         self._teardown()
         return outcome
+
+    def _watch_for_abort(self, generation: int) -> AbortWatch:
+        """Start generation ``generation``'s abort watch: an abort sets its event (which ends
+        the rendezvous store's waits) and shuts this process's connections at once; the
+        heartbeat shuts them again at each beat until this process has left the generation."""
+        aborted = self._generation_aborted
+
+        def on_abort(lost: str) -> None:
+            if self._training_generation == generation:
+                aborted.set()
+                abort_connections(self.port)
+
+        watch = AbortWatch(
+            self._connect_store,
+            abort_watch_key(generation, self.wid),
+            WATCH_RELEASED,
+            on_abort,
+            self._note,
+        )
+        watch.start()
+        return watch
+
+    def _release_abort_watch(self, generation: int) -> None:
+        """End the generation's abort watch: an aborted one has ended by itself (or waits on
+        a key that the abort wrote); otherwise this member writes its own release."""
+        watch, self._abort_watch = self._abort_watch, None
+        if watch is None or not watch.watching:
+            return
+        try:
+            self.store.set(abort_watch_key(generation, self.wid), WATCH_RELEASED)
+        except Exception:
+            return  # the store is gone: so is the watch's connection, and its thread
+        watch.join(ABORT_WATCH_JOIN_S)
 
     def _join_process_group(self, generation: int, rank: int, world: int) -> None:
         """The generation's gloo group (``pg/<g>`` in the store), and DeepSpeed's view of it."""
@@ -810,7 +860,8 @@ class ElasticWorker:
         """Tell every member at once (their watchdogs unblock them), and unblock our peers."""
         self._training_generation = None
         self._generation_aborted.set()
-        self.store.set(abort_key(generation), self.wid)
+        for key, value in abort_entries(generation, self._members, self.wid):
+            self.store.set(key, value)
         abort_connections(self.port)
 
     def _engine_step(self) -> int:

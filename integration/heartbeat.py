@@ -111,3 +111,75 @@ class Heartbeat:
                     failing = True
                 store = None
             self._stop.wait(self.interval_s)
+
+
+@dataclass
+class AbortWatch:
+    """A thread that waits for a generation's abort on a store connection of its own.
+
+    The store holds the wait (TCPStore's ``wait``, an etcd watch) and answers it the moment
+    ``key`` is written, so a member learns of an abort at once and asks nothing while it
+    trains. The heartbeat used to check for the abort ten times a second: forty round trips a
+    second to the coordinator for four workers, which cost a 2-core host about 3% of a
+    gpt2-big step (BENCHMARKS.md, sixteenth pass). ``key`` is this member's own
+    (``abort-watch/<g>/<w>``): written by whoever aborts the generation, with the name of who
+    was lost, or by this member with ``released`` when it leaves the generation without an
+    abort, which ends the wait. ``on_abort`` runs in the watch's thread.
+
+    If the watch cannot wait (its store connection failed, a value that does not verify),
+    :attr:`watching` turns False and the heartbeat checks for the abort at each beat, as it
+    did before.
+    """
+
+    connect: Callable[[], AuthStore]
+    key: str
+    released: str  # the value that ends the watch without an abort
+    on_abort: Callable[[str], None]
+    note: Callable[[str], None]
+    # A wait's bound: a wait that times out (the generation trains on) is waited again.
+    # Long, because TCPStore logs each timed-out wait.
+    wait_s: float = 3600.0
+    _watching: threading.Event = field(default_factory=threading.Event, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
+
+    @property
+    def watching(self) -> bool:
+        """Whether the thread waits on the store now (connected, not ended)."""
+        return self._watching.is_set()
+
+    def start(self) -> None:
+        assert self._thread is None, "started once"
+        self._watching.set()  # until the thread says otherwise: no beat polls meanwhile
+        self._thread = threading.Thread(target=self._run, name="spotline-abort-watch", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait for the thread to end (after an abort, or a release); whether it has."""
+        assert self._thread is not None
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        from datetime import timedelta
+
+        try:
+            store = self.connect()
+            while True:
+                try:
+                    store.wait([self.key], timedelta(seconds=self.wait_s))
+                except Exception:
+                    # A timeout if the store still answers: wait again. If it does not,
+                    # the check raises and the watch ends (the heartbeat polls instead).
+                    if not store.check([self.key]):
+                        continue
+                value = store.get(self.key).decode()
+                break
+        except Exception as exc:
+            self.note(
+                f"abort watch: cannot wait on the store ({one_line(exc)}); the heartbeat checks instead"
+            )
+            self._watching.clear()
+            return
+        self._watching.clear()
+        if value != self.released:
+            self.on_abort(value)

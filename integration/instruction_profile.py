@@ -39,6 +39,23 @@ WHOLE_STEP = "step"
 
 Clocks = tuple[float, float, float]
 
+# Events a profile keeps for its timeline: enough for a few steps of any schedule here (a
+# step of 2 stages x 4 micro-batches runs about 25 instructions), bounded so that a long run
+# holds no more than this.
+TIMELINE_EVENTS = 2000
+
+
+@dataclass(frozen=True)
+class Event:
+    """One instruction run: its name, the step it belongs to (counted from the profile's
+    first measured step) and its start and end on the host's wall clock (``time.time``:
+    comparable across the processes of a host), so the ranks' timelines line up."""
+
+    name: str
+    step: int
+    start: float
+    end: float
+
 
 def _clocks() -> Clocks:
     """The three clocks an instruction is timed on: wall, the process's CPU, and the CPU of
@@ -56,6 +73,8 @@ class InstructionProfile:
     cpu_seconds: dict[str, float] = field(default_factory=dict)
     # The CPU of the thread that ran the instructions (the schedule's thread) alone.
     thread_cpu_seconds: dict[str, float] = field(default_factory=dict)
+    # The first TIMELINE_EVENTS instructions measured, in order.
+    events: list[Event] = field(default_factory=list)
     # (wall, process CPU, thread CPU) clocks at the end of the last optimizer step; None
     # before the first.
     _mark: Clocks | None = field(default=None, repr=False, compare=False)
@@ -66,16 +85,24 @@ class InstructionProfile:
         return self.calls.get(STEP, 0)
 
     def add(
-        self, name: str, seconds: float, cpu_seconds: float = 0.0, thread_cpu_seconds: float = 0.0
+        self,
+        name: str,
+        seconds: float,
+        cpu_seconds: float = 0.0,
+        thread_cpu_seconds: float = 0.0,
+        span: tuple[float, float] | None = None,
     ) -> None:
         """One instruction's ``seconds`` on the wall clock, ``cpu_seconds`` of the process's
         CPU and ``thread_cpu_seconds`` of the calling thread's; the calling thread must be
-        the one that runs the schedule (its clock marks the whole step)."""
+        the one that runs the schedule (its clock marks the whole step). ``span``: its
+        start and end in ``time.time``, for the timeline (None: not on it)."""
         if self._mark is None:
             # Before the first optimizer step's end: one-off costs, not counted.
             if name == STEP:
                 self._mark = _clocks()
             return
+        if span is not None and len(self.events) < TIMELINE_EVENTS:
+            self.events.append(Event(name, self.steps, *span))
         totals = (self.seconds, self.cpu_seconds, self.thread_cpu_seconds)
         for into, value in zip(totals, (seconds, cpu_seconds, thread_cpu_seconds), strict=True):
             into[name] = into.get(name, 0.0) + value
@@ -86,6 +113,12 @@ class InstructionProfile:
                 into[WHOLE_STEP] = into.get(WHOLE_STEP, 0.0) + end - start
             self._mark = now
 
+    def add_part(self, name: str, start: float, end: float) -> None:
+        """A part of an instruction (``start``..``end`` in ``time.time``) on the timeline
+        only: its time is its instruction's already."""
+        if self._mark is not None and len(self.events) < TIMELINE_EVENTS:
+            self.events.append(Event(name, self.steps, start, end))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "seconds": self.seconds,
@@ -93,6 +126,7 @@ class InstructionProfile:
             "thread_cpu_seconds": self.thread_cpu_seconds,
             "calls": self.calls,
             "steps": self.steps,
+            "events": [[e.name, e.step, e.start, e.end] for e in self.events],
         }
 
     @classmethod
@@ -103,6 +137,8 @@ class InstructionProfile:
             dict(raw.get("cpu_seconds", {})),
             # Profiles written before the schedule thread's CPU was kept have none.
             dict(raw.get("thread_cpu_seconds", {})),
+            # Profiles written before the timeline have none.
+            [Event(str(n), int(k), float(a), float(b)) for n, k, a, b in raw.get("events", [])],
         )
 
     def per_step(self) -> dict[str, float]:
@@ -136,21 +172,50 @@ def timed_map(
 
     def timed(name: str, handler: Callable[..., Any]) -> Callable[..., Any]:
         def run(engine: Any, **kwargs: Any) -> Any:
-            start = _clocks()
+            began, start = time.time(), _clocks()
             try:
                 return handler(engine, **kwargs)
             finally:
-                profile.add(name, *(end - s for end, s in zip(_clocks(), start, strict=True)))
+                wall, cpu, thread = (end - s for end, s in zip(_clocks(), start, strict=True))
+                profile.add(name, wall, cpu, thread, span=(began, time.time()))
 
         return run
 
     return {cls: timed(cls.__name__, handler) for cls, handler in instruction_map.items()}
 
 
+# Parts of an instruction put on the timeline as their own events, where an engine has
+# them: the attribute a callable is under -> its event's name.
+TIMELINE_PARTS = {
+    "commit_barrier": "CommitBarrier",
+    "aggregate_loss_before_commit": "LossBeforeCommit",
+    # DeepSpeed's, after the schedule (Spotline's returns the loss computed before the commit).
+    "_aggregate_total_loss": "LossAfterSchedule",
+}
+
+
 def instrument(engine: Any, profile: InstructionProfile) -> None:
     """Time ``engine``'s instructions into ``profile`` (on the instance's own map: the
-    class's map and every other engine stay as they are)."""
+    class's map and every other engine stay as they are), and put the parts of
+    TIMELINE_PARTS it has on the timeline."""
     engine._INSTRUCTION_MAP = timed_map(type(engine)._INSTRUCTION_MAP, profile)
+    for attribute, name in TIMELINE_PARTS.items():
+        part = getattr(engine, attribute, None)
+        if part is not None:
+            setattr(engine, attribute, _on_timeline(part, name, profile))
+
+
+def _on_timeline(
+    part: Callable[[], Any], name: str, profile: InstructionProfile
+) -> Callable[[], Any]:
+    def run() -> Any:
+        start = time.time()
+        try:
+            return part()
+        finally:
+            profile.add_part(name, start, time.time())
+
+    return run
 
 
 def write_profile(profile: InstructionProfile, name: str) -> None:

@@ -18,7 +18,10 @@ The coordinator writes
   did (the same step as ``stop/<g>``; set before it).
 - ``abort/<g>`` (:func:`abort_key`): a member of generation g is lost (the value: who); the
   members' watchdogs shut their connections so that no collective waits for it. Members
-  that fail write it too.
+  that fail write it too, and both write ``abort-watch/<g>/<w>`` (:func:`abort_watch_key`,
+  the same value) for every member w: what w's watch thread waits on
+  (:class:`spotline.heartbeat.AbortWatch`), so that no member polls for an abort while it
+  trains. Member w writes its own with :data:`WATCH_RELEASED` when it leaves g without one.
 
 Each worker writes
 
@@ -82,7 +85,7 @@ Every value but counters and ``pg/<g>`` is sealed with the job token (``spotline
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal, Protocol, get_args
 
@@ -160,6 +163,23 @@ def stop_checkpoint_key(generation: int) -> str:
 
 def abort_key(generation: int) -> str:
     return f"abort/{generation}"
+
+
+def abort_watch_key(generation: int, worker: str) -> str:
+    return f"abort-watch/{generation}/{worker}"
+
+
+# The value of ``abort-watch/<g>/<w>`` that ends w's watch without an abort (any other value
+# names who was lost).
+WATCH_RELEASED = "released"
+
+
+def abort_entries(generation: int, members: Iterable[str], lost: str) -> list[tuple[str, str]]:
+    """The keys and values an abort of generation ``generation`` writes, by whoever writes
+    it: ``abort/<g>`` and each member's ``abort-watch/<g>/<w>``, each naming ``lost``."""
+    assert lost != WATCH_RELEASED, lost
+    watches = [(abort_watch_key(generation, m), lost) for m in members]
+    return [(abort_key(generation), lost), *watches]
 
 
 def joined_key(worker: str) -> str:

@@ -49,7 +49,7 @@ from spotline.protocol import (
     EvalResult,
     Plan,
     Report,
-    abort_key,
+    abort_entries,
     entry_key,
     eval_key,
     leaving_key,
@@ -878,8 +878,9 @@ class Coordinator:
                     self.metrics.pending_failure_t or self.metrics.now()
                 )
                 # Members waiting in the commit barrier (or blocked on a machine gone
-                # silent) leave it at once.
-                self.store.set(abort_key(self.generation), w)
+                # silent) leave it at once: their abort watches wait on these keys.
+                for key, value in abort_entries(self.generation, self.members(), w):
+                    self.store.set(key, value)
         return died
 
     def _read_reports(self, g: int, expected: set[str], reports: dict[str, Report]) -> bool:

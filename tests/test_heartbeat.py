@@ -15,8 +15,8 @@ import pytest
 import torch.distributed as dist
 
 from spotline.auth import AuthStore, JobToken
-from spotline.heartbeat import Heartbeat
-from spotline.protocol import heartbeat_key
+from spotline.heartbeat import AbortWatch, Heartbeat
+from spotline.protocol import WATCH_RELEASED, abort_watch_key, heartbeat_key
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -153,3 +153,58 @@ def test_the_beat_is_written_every_beat_every_turns_and_the_watch_runs_every_tur
     # Turn i leaves beat i // 4: a new value every fourth turn, from the first.
     changes = [i for i in range(1, 24) if beats[i] != beats[i - 1]]
     assert changes == list(range(4, 24, 4)), changes
+
+
+def _watch(port: int, lost: list[str], notes: list[str], wait_s: float = 3600.0) -> AbortWatch:
+    watch = AbortWatch(
+        lambda: _client(port),
+        abort_watch_key(3, "w0"),
+        WATCH_RELEASED,
+        lost.append,
+        notes.append,
+        wait_s=wait_s,
+    )
+    watch.start()
+    return watch
+
+
+def test_the_abort_watch_wakes_on_its_key_and_ends_on_its_release(
+    server: dist.TCPStore,
+) -> None:
+    writer = _client(server.port)
+    lost: list[str] = []
+    notes: list[str] = []
+    # A wait that times out (the generation trains on) is waited again, not a failure.
+    aborted = _watch(server.port, lost, notes, wait_s=0.2)
+    time.sleep(0.7)
+    assert aborted.watching and not lost
+    writer.set(abort_watch_key(3, "w0"), "w2")
+    assert aborted.join(30.0)
+    assert lost == ["w2"] and not aborted.watching and not notes
+    # Released: the thread ends without an abort.
+    released = _watch(server.port, lost, notes)
+    writer.set(abort_watch_key(3, "w0"), WATCH_RELEASED)
+    assert released.join(30.0)
+    assert lost == ["w2"] and not released.watching and not notes
+
+
+def test_an_abort_watch_that_cannot_wait_hands_the_check_back_to_the_heartbeat(
+    server: dist.TCPStore,
+) -> None:
+    lost: list[str] = []
+    notes: list[str] = []
+    # Its connection reset while it waits (the store gone, a network fault).
+    watch = _watch(server.port, lost, notes)
+    deadline = time.monotonic() + 30
+    # Shut until the watch gives up: a client reset while it connects connects again.
+    while not watch.join(0.1):
+        assert time.monotonic() < deadline, "the watch never gave up"
+        _shut_connections_to(server.port)
+    assert not watch.watching and not lost
+    assert len(notes) == 1 and "the heartbeat checks instead" in notes[0], notes
+    # A value that is not sealed with the job's token is no abort either.
+    forged = _watch(server.port, lost, notes)
+    raw = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+    raw.set(abort_watch_key(3, "w0"), "w2")  # not through AuthStore: no seal
+    assert forged.join(30.0)
+    assert not forged.watching and not lost and len(notes) == 2, notes

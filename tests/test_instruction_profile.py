@@ -207,3 +207,85 @@ def test_a_variants_cpu_is_paired_with_the_baselines_round_by_round() -> None:
     assert lines[-1].startswith("| 0 | the whole step | 200.0 / 2.0 | 213.0 / 6.0 | +14.0")
     with pytest.raises(AssertionError, match="ranks differ"):
         paired_cpu([(lazy[0], off[0] + off[1])])
+
+
+class Barrier(Engine):
+    """A stand-in whose optimizer step passes a commit barrier, as Spotline's does."""
+
+    _INSTRUCTION_MAP = {
+        **Engine._INSTRUCTION_MAP,
+        OptimizerStep: lambda self: (self.commit_barrier(), self.ran.append(("opt", None))),
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.commit_barrier = lambda: self.ran.append(("barrier", None))
+
+
+def test_the_timeline_puts_each_instruction_and_the_commit_barrier_on_the_hosts_clock() -> None:
+    import time
+
+    profile, engine = InstructionProfile(), Barrier()
+    instrument(engine, profile)
+    before = time.time()
+    for _ in range(3):
+        engine.dispatch(ForwardPass, buffer_id=0)
+        engine.dispatch(OptimizerStep)
+    after = time.time()
+    # The first step is left out, as from the figures; each later event is numbered by its
+    # step and lies inside the run, the barrier inside its optimizer step.
+    names = [(e.name, e.step) for e in profile.events]
+    assert names == [
+        ("ForwardPass", 0),
+        ("CommitBarrier", 0),
+        ("OptimizerStep", 0),
+        ("ForwardPass", 1),
+        ("CommitBarrier", 1),
+        ("OptimizerStep", 1),
+    ]
+    assert all(before <= e.start <= e.end <= after for e in profile.events)
+    barrier, step = profile.events[1], profile.events[2]
+    assert step.start <= barrier.start and barrier.end <= step.end
+    assert engine.ran.count(("barrier", None)) == 3
+    again = InstructionProfile.from_json(json.loads(json.dumps(profile.to_json())))
+    assert again.events == profile.events
+
+
+def test_idle_cores_are_charged_to_the_waits_that_leave_them_idle() -> None:
+    from spotline.instruction_profile import Event
+    from spotline.launch.bench.profile import format_idle, idle_account
+
+    def ev(name: str, start_ms: int, end_ms: int, step: int = 0) -> Event:
+        return Event(name, step, start_ms / 1000, end_ms / 1000)
+
+    # Three ranks on two cores over 100 ms. Rank a computes throughout; rank b waits in
+    # RecvGrad for 0-40 ms, then computes; rank c computes 0-40 ms, then waits in
+    # ReduceGrads (and inside it, for 80-100 ms, the commit barrier of its optimizer step).
+    a = [ev("ForwardPass", 0, 100)]
+    b = [ev("RecvGrad", 0, 40), ev("BackwardPass", 40, 100)]
+    c = [
+        ev("BackwardPass", 0, 40),
+        ev("ReduceGrads", 40, 80),
+        ev("OptimizerStep", 80, 100),
+        ev("CommitBarrier", 80, 100),
+    ]
+    account = idle_account([a, b, c], cores=2)
+    # 0-40: a and c compute (no core idle) while b waits; 40-80: a and b compute; 80-100:
+    # the same. No core was ever idle: the waits overlapped others' work.
+    assert account.idle_s == {}
+    # On three cores, each wait leaves one idle: b's 40 ms, c's 40 ms and its barrier's 20.
+    account = idle_account([a, b, c], cores=3)
+    assert {k: round(v * 1000) for k, v in account.idle_s.items()} == {
+        "RecvGrad": 40,
+        "ReduceGrads": 40,
+        "CommitBarrier": 20,
+    }
+    assert account.steps == pytest.approx(1 / 3)  # c's optimizer step ends inside the window
+    rows = format_idle({"x": account.per_step()})
+    assert rows[-1] == f"| all | {sum(account.per_step().values()) * 1000:.1f} |"
+    # Between instructions counts as waiting too; only the window every rank covers counts.
+    gap = [ev("ForwardPass", 0, 30), ev("ForwardPass", 50, 100)]
+    late = [ev("BackwardPass", 20, 120)]
+    account = idle_account([gap, late], cores=2)
+    assert {k: round(v * 1000) for k, v in account.idle_s.items()} == {"(between instructions)": 20}
+    assert round(account.window_s * 1000) == 80

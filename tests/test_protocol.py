@@ -303,3 +303,16 @@ def test_the_checkpoint_interval_is_the_policy_s() -> None:
     assert failover.checkpoint_interval(unset, 10.0) == 0  # failover needs none by default
     assert restart.checkpoint_interval(unset, None) == 0  # no preemptions expected
     assert restart.checkpoint_interval(unset, 3600.0) > 0  # Young/Daly
+
+
+def test_an_abort_is_written_for_the_record_and_for_every_members_watch() -> None:
+    from spotline.protocol import WATCH_RELEASED, abort_entries, abort_key, abort_watch_key
+
+    assert abort_entries(4, ["w0", "w2"], "w1") == [
+        (abort_key(4), "w1"),
+        (abort_watch_key(4, "w0"), "w1"),
+        (abort_watch_key(4, "w2"), "w1"),
+    ]
+    assert abort_watch_key(4, "w0") != abort_key(4)
+    with pytest.raises(AssertionError):
+        abort_entries(4, ["w0"], WATCH_RELEASED)

@@ -9,16 +9,30 @@ rank left out); what a step spends outside the schedule (the loop, the loss, the
 the measured step less the instructions' sum. A wall time above its CPU time is waiting.
 Below it: the CPU of one step summed over the ranks (with more processes than cores, the
 step's floor) and the cores' idle time (cores x step - that CPU).
+
+The second table says which waits leave cores idle, from the ranks' timelines (each
+instruction's start and end on the host's clock, :class:`spotline.instruction_profile.Event`):
+a millisecond at a time, the cores not taken by a computing rank are idle, and that idle time
+is shared among what the other ranks were waiting in. A wait that overlaps another rank's
+work costs nothing; one during which too few ranks compute is what makes a step longer than
+its CPU.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spotline.instruction_profile import PROFILE_ENV, WHOLE_STEP, InstructionProfile
+from spotline.instruction_profile import (
+    PROFILE_ENV,
+    TIMELINE_PARTS,
+    WHOLE_STEP,
+    Event,
+    InstructionProfile,
+)
 from spotline.launch.bench.foundation import (
     FOUNDATION_VARIANTS,
     VARIANT_FLAGS,
@@ -152,6 +166,75 @@ def summarize(profiles: list[InstructionProfile]) -> dict[str, Any]:
     }
 
 
+# The instructions during which a rank computes (takes a core). In any other (a send, a
+# receive, a collective, the commit barrier and the loss's exchange inside OptimizerStep) or
+# between two instructions, it waits.
+COMPUTING = frozenset(
+    {
+        "ForwardPass",
+        "BackwardPass",
+        "LoadMicroBatch",
+        "BeginLogicalWorker",
+        "KeepLogicalGradients",
+        "OptimizerStep",
+        "ReplicaStep",
+        "ReplicaLoad",
+        "StashOutput",
+        "StashInputGrad",
+    }
+)
+PART_NAMES = frozenset(TIMELINE_PARTS.values())
+BETWEEN = "(between instructions)"
+SLICE_S = 0.001
+
+
+@dataclass(frozen=True)
+class IdleAccount:
+    """Where the cores stood idle over a window of the ranks' timelines: the window's
+    seconds, the optimizer steps the ranks ended inside it (the mean over ranks), and the
+    idle core seconds by what the waiting ranks were in."""
+
+    window_s: float
+    steps: float
+    idle_s: dict[str, float]
+
+    def per_step(self) -> dict[str, float]:
+        return {name: s / max(self.steps, 1e-9) for name, s in self.idle_s.items()}
+
+
+def idle_account(timelines: Sequence[Sequence[Event]], cores: int) -> IdleAccount:
+    """The cores' idle time over the window every rank's timeline covers (from the latest
+    first event to the earliest last), a SLICE_S at a time: ``cores`` less the ranks in a
+    COMPUTING instruction, at least 0, shared equally among the other ranks' waits. A part
+    of an instruction (the commit barrier inside OptimizerStep) stands for its instruction
+    where it runs."""
+    assert timelines and all(timelines), "a rank without a timeline"
+    start = max(t[0].start for t in timelines)
+    end = min(t[-1].end for t in timelines)
+    slices = max(0, int((end - start) / SLICE_S))
+    states: list[list[str]] = []
+    for timeline in timelines:
+        state = [BETWEEN] * slices
+        # Instructions first, then their parts over them (a part lies inside its instruction).
+        for event in sorted(timeline, key=lambda e: e.name in PART_NAMES):
+            first = max(0, int((event.start - start) / SLICE_S))
+            last = min(slices, int((event.end - start) / SLICE_S) + 1)
+            if first < last:
+                state[first:last] = [event.name] * (last - first)
+        states.append(state)
+    idle: dict[str, float] = {}
+    for k in range(slices):
+        waiting = [s[k] for s in states if s[k] not in COMPUTING]
+        free = cores - (len(states) - len(waiting))
+        if free > 0 and waiting:
+            for name in waiting:
+                idle[name] = idle.get(name, 0.0) + free * SLICE_S / len(waiting)
+    steps = sum(
+        sum(1 for e in t if e.name == "OptimizerStep" and start <= e.end <= end) for t in timelines
+    ) / len(timelines)
+    return IdleAccount(slices * SLICE_S, steps, idle)
+
+
 def bench_profile(settings: BenchSettings, stages: int = 2) -> dict[str, Any]:
     cfg = resolve_base_config(settings, topology_overrides(stages))
     work = settings.output / "profile"
@@ -166,9 +249,13 @@ def bench_profile(settings: BenchSettings, stages: int = 2) -> dict[str, Any]:
             result = run_spotline_train(config, run_dir, VARIANT_FLAGS[variant], env)
         else:
             result = run_stock(config, cfg.num_workers, run_dir, env)
+        profiles = read_profiles(folder)
+        idle = idle_account([p.events for p in profiles], os.cpu_count() or 1)
         variants[variant] = {
             "step_time_s": result["step_time_s"],
-            **summarize(read_profiles(folder)),
+            **summarize(profiles),
+            "idle_by_wait_s_per_step": idle.per_step(),
+            "timeline_window_s": idle.window_s,
         }
     return {
         "bench": "profile",
@@ -232,4 +319,28 @@ def format_profile(report: dict[str, Any]) -> str:
         idle = (ms(cores * step - cpu) for step, cpu in zip(steps, cpus, strict=True))
         rows.append(row(f"idle core time ({cores} cores x step - CPU)", idle))
     rows.append(row("step (the run's median)", (ms(v[x]["step_time_s"]) for x in PROFILE_VARIANTS)))
+    if all("idle_by_wait_s_per_step" in v[x] for x in PROFILE_VARIANTS):
+        rows += ["", *format_idle({x: v[x]["idle_by_wait_s_per_step"] for x in PROFILE_VARIANTS})]
     return "\n".join(rows)
+
+
+def format_idle(idle: Mapping[str, Mapping[str, float]]) -> list[str]:
+    """The rows of the idle account (:func:`idle_account`, per step) of each variant: ms of
+    idle core time a step by wait, the largest first, and their sum."""
+    variants = list(idle)
+    names = sorted(
+        {n for x in idle.values() for n in x},
+        key=lambda n: -max(x.get(n, 0.0) for x in idle.values()),
+    )
+    rows = [
+        "idle core time a step (ms) by what the waiting ranks were in (the ranks' timelines):",
+        "",
+        "| waiting in | " + " | ".join(variants) + " |",
+        "|---|" + "---:|" * len(variants),
+    ]
+    for name in names:
+        cells = (f"{idle[x].get(name, 0.0) * 1000:.1f}" for x in variants)
+        rows.append(f"| {name} | " + " | ".join(cells) + " |")
+    totals = (f"{sum(idle[x].values()) * 1000:.1f}" for x in variants)
+    rows.append("| all | " + " | ".join(totals) + " |")
+    return rows
