@@ -23,6 +23,7 @@ from spotline.protocol import (
     Report,
     WorkerStats,
     abort_key,
+    abort_watch_key,
     checkpoint_error_key,
     entry_key,
     error_key,
@@ -52,6 +53,7 @@ def test_keys_are_spelled_as_the_workers_and_the_coordinator_expect() -> None:
         stop_key(3),
         stop_checkpoint_key(3),
         abort_key(3),
+        abort_watch_key(3, "w1"),
         joined_key("w1"),
         heartbeat_key("w1"),
         leaving_key("w1"),
@@ -71,6 +73,7 @@ def test_keys_are_spelled_as_the_workers_and_the_coordinator_expect() -> None:
         "stop/3",
         "stop-checkpoint/3",
         "abort/3",
+        "abort-watch/3/w1",
         "joined/w1",
         "hb/w1",
         "leaving/w1",
@@ -306,7 +309,7 @@ def test_the_checkpoint_interval_is_the_policy_s() -> None:
 
 
 def test_an_abort_is_written_for_the_record_and_for_every_members_watch() -> None:
-    from spotline.protocol import WATCH_RELEASED, abort_entries, abort_key, abort_watch_key
+    from spotline.protocol import WATCH_RELEASED, abort_entries
 
     assert abort_entries(4, ["w0", "w2"], "w1") == [
         (abort_key(4), "w1"),
