@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 from spotline.auth import AuthStore
 from spotline.errors import one_line
@@ -160,8 +161,6 @@ class AbortWatch:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
-        from datetime import timedelta
-
         try:
             store = self.connect()
             while True:

@@ -101,8 +101,8 @@ class InstructionProfile:
             if name == STEP:
                 self._mark = _clocks()
             return
-        if span is not None and len(self.events) < TIMELINE_EVENTS:
-            self.events.append(Event(name, self.steps, *span))
+        if span is not None:
+            self.add_part(name, *span)
         totals = (self.seconds, self.cpu_seconds, self.thread_cpu_seconds)
         for into, value in zip(totals, (seconds, cpu_seconds, thread_cpu_seconds), strict=True):
             into[name] = into.get(name, 0.0) + value
@@ -114,8 +114,8 @@ class InstructionProfile:
             self._mark = now
 
     def add_part(self, name: str, start: float, end: float) -> None:
-        """A part of an instruction (``start``..``end`` in ``time.time``) on the timeline
-        only: its time is its instruction's already."""
+        """``name`` from ``start`` to ``end`` (``time.time``) on the timeline only: a part of
+        an instruction, whose time is its instruction's already (and :meth:`add`'s event)."""
         if self._mark is not None and len(self.events) < TIMELINE_EVENTS:
             self.events.append(Event(name, self.steps, start, end))
 
