@@ -39,10 +39,11 @@ WHOLE_STEP = "step"
 
 Clocks = tuple[float, float, float]
 
-# Events a profile keeps for its timeline: enough for a few steps of any schedule here (a
-# step of 2 stages x 4 micro-batches runs about 25 instructions), bounded so that a long run
-# holds no more than this.
-TIMELINE_EVENTS = 2000
+# Events a profile keeps for its timeline: a step of 2 stages x 4 micro-batches runs about
+# 25 instructions and 3 parts, so this covers the hundreds of steps of a bench round whose
+# jobs take turns (its idle account needs the steps of every turn, the last ones too);
+# bounded (a few MB) so that a long run holds no more than this.
+TIMELINE_EVENTS = 20_000
 
 
 @dataclass(frozen=True)

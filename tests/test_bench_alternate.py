@@ -242,10 +242,12 @@ def test_a_terminated_bench_leaves_no_job_behind(
 def test_the_foundations_three_jobs_take_turns(tmp_path: Path) -> None:
     """Spotline (lazy), redundancy off and the stock ranks in one round of 2.5 s turns:
     none ends a step in another's turn (the stock group stood still as one), each is timed
-    on its own turns' steps, and both Spotline jobs end on the same parameters."""
+    on its own turns' steps, and both Spotline jobs end on the same parameters. The round
+    profiles every rank (``--profile``, the stock ranks too, through their group's root),
+    and pairs each Spotline job's CPU and idle cores with stock's, over its own turns."""
     out = tmp_path / "bench"
     argv = ["bench", "foundation", "--alternate", "2.5", "--steps", "60", "--repeats", "1"]
-    proc = run_spotline([*argv, "--output", str(out)], timeout=540)
+    proc = run_spotline([*argv, "--profile", "--output", str(out)], timeout=540)
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads((out / "bench-foundation.json").read_text())
     assert report["alternate_s"] == 2.5
@@ -271,3 +273,35 @@ def test_the_foundations_three_jobs_take_turns(tmp_path: Path) -> None:
         )
     assert results["spotline"]["param_sha256"] == results["spotline-off"]["param_sha256"]
     assert (results["spotline"]["generations"], results["spotline"]["recoveries"]) == (1, 0)
+
+    _check_foundation_profile(report, work, turns, proc.stdout)
+
+
+def _check_foundation_profile(
+    report: dict[str, Any], work: Path, turns: dict[str, list[Turn]], stdout: str
+) -> None:
+    from spotline.launch.bench.instructions import ALL_WAITS
+
+    for variant in ("spotline", "spotline-off", "stock"):
+        assert len(list((work / f"{variant}-r0" / "instructions").glob("*.json"))) == 4
+        [run] = report["variants"][variant]["runs"]
+        # Each job is charged for idle cores inside its own turns only: never more time
+        # than its turns held, and every step of its window counted.
+        assert len(run["cpu_per_step_per_rank"]) == 4
+        assert 0 < run["idle_window_s"] <= sum(t.end - t.start for t in turns[variant])
+        assert run["idle_by_wait_s_per_step"], variant
+    paired = report["profile_against_stock"]
+    assert sorted(paired) == ["spotline", "spotline-off"]
+    for variant, figures in paired.items():
+        ranks = figures["cpu_per_rank"]
+        assert len(ranks) == 4
+        for rank in ranks:
+            # Both engines ran forward and backward passes; the logical workers' gradients
+            # are kept by Spotline only.
+            for name in ("ForwardPass", "BackwardPass", "step"):
+                assert rank[name]["baseline_s"][0] > 0 and rank[name]["variant_s"][0] > 0
+        assert any(r["KeepLogicalGradients"]["baseline_s"] == [0.0, 0.0] for r in ranks)
+        idle = figures["idle_by_wait"]
+        assert idle[ALL_WAITS]["variant_s"] > 0 and idle[ALL_WAITS]["baseline_s"] > 0
+        assert f"{variant} against stock, paired by round: idle core time" in stdout
+    assert "| waiting in | stock | spotline-off | spotline-off - stock" in stdout

@@ -16,15 +16,13 @@ from spotline.instruction_profile import (
     profile_dir,
     write_profile,
 )
-from spotline.launch.bench.profile import (
+from spotline.launch.bench.instructions import (
     cpu_split_per_step,
     format_paired_cpu,
-    format_profile,
-    mean_per_step,
     paired_cpu,
     read_profiles,
-    summarize,
 )
+from spotline.launch.bench.profile import format_profile, mean_per_step, summarize
 
 
 class ForwardPass:
@@ -253,7 +251,7 @@ def test_the_timeline_puts_each_instruction_and_the_commit_barrier_on_the_hosts_
 
 def test_idle_cores_are_charged_to_the_waits_that_leave_them_idle() -> None:
     from spotline.instruction_profile import Event
-    from spotline.launch.bench.profile import format_idle, idle_account
+    from spotline.launch.bench.instructions import format_idle, idle_account
 
     def ev(name: str, start_ms: int, end_ms: int, step: int = 0) -> Event:
         return Event(name, step, start_ms / 1000, end_ms / 1000)
@@ -289,3 +287,71 @@ def test_idle_cores_are_charged_to_the_waits_that_leave_them_idle() -> None:
     account = idle_account([gap, late], cores=2)
     assert {k: round(v * 1000) for k, v in account.idle_s.items()} == {"(between instructions)": 20}
     assert round(account.window_s * 1000) == 80
+
+
+def test_a_job_that_takes_turns_is_charged_only_inside_its_turns() -> None:
+    """While a job is stopped its ranks stand in whatever they were in: the idle account
+    over its turns leaves those slices out, and counts only the steps that end inside."""
+    from spotline.instruction_profile import Event
+    from spotline.launch.bench.instructions import idle_account
+
+    def ev(name: str, start_ms: int, end_ms: int) -> Event:
+        return Event(name, 0, start_ms / 1000, end_ms / 1000)
+
+    # Two ranks on two cores. Rank a computes throughout and ends optimizer steps at 30 and
+    # 90 ms; rank b waits in RecvGrad 0-50 ms (stopped 20-60 ms: another job's turn), then
+    # in ReduceGrads 50-100 ms.
+    a = [ev("ForwardPass", 0, 20), ev("OptimizerStep", 20, 30), ev("BackwardPass", 30, 80)]
+    a.append(ev("OptimizerStep", 80, 90))
+    a.append(ev("ForwardPass", 90, 100))
+    b = [ev("RecvGrad", 0, 50), ev("ReduceGrads", 50, 100)]
+    whole = idle_account([a, b], cores=2)
+    assert {k: round(v * 1000) for k, v in whole.idle_s.items()} == {
+        "RecvGrad": 50,
+        "ReduceGrads": 50,
+    }
+    assert whole.steps == pytest.approx(1.0)  # a's two steps over two ranks
+    turns = [(0.0, 0.020), (0.060, 0.100)]
+    account = idle_account([a, b], cores=2, windows=turns)
+    assert {k: round(v * 1000) for k, v in account.idle_s.items()} == {
+        "RecvGrad": 20,
+        "ReduceGrads": 40,
+    }
+    assert round(account.window_s * 1000) == 60
+    assert account.steps == pytest.approx(0.5)  # the step ending at 30 ms fell in the pause
+    # A window partly before the timelines counts from where every rank's begins.
+    assert idle_account([a, b], cores=2, windows=[(-1.0, 0.010)]).window_s == pytest.approx(0.01)
+
+
+def test_idle_time_is_paired_by_round_wait_by_wait() -> None:
+    from spotline.launch.bench.instructions import ALL_WAITS, format_paired_idle, paired_idle
+
+    rounds = [
+        ({"ReduceGrads": 0.150, "CommitBarrier": 0.010}, {"ReduceGrads": 0.100}),
+        ({"ReduceGrads": 0.120, "CommitBarrier": 0.006}, {"ReduceGrads": 0.130}),
+        ({"ReduceGrads": 0.160, "CommitBarrier": 0.008}, {"ReduceGrads": 0.110}),
+    ]
+    paired = paired_idle(rounds)
+    reduce = paired["ReduceGrads"]
+    assert reduce["variant_s"] == pytest.approx(0.150)
+    assert reduce["baseline_s"] == pytest.approx(0.110)
+    # The differences are taken round by round (+50, -10, +50), not between the medians.
+    diff = reduce["difference_s"]
+    assert (diff["min"], diff["median"], diff["max"]) == pytest.approx((-0.010, 0.050, 0.050))
+    # A wait the baseline never stood in counts 0 there.
+    assert paired["CommitBarrier"]["baseline_s"] == 0.0
+    assert paired["CommitBarrier"]["difference_s"]["median"] == pytest.approx(0.008)
+    total = paired[ALL_WAITS]
+    assert total["variant_s"] == pytest.approx(0.160)  # of 0.160, 0.126, 0.168
+    assert total["difference_s"]["median"] == pytest.approx(0.058)
+    table = format_paired_idle(paired, "spotline-off", "stock").splitlines()
+    assert (
+        table[0]
+        == "| waiting in | stock | spotline-off | spotline-off - stock, median (min..max) |"
+    )
+    assert [row.split(" | ")[0] for row in table[2:]] == [
+        "| ReduceGrads",
+        "| CommitBarrier",
+        "| all",
+    ]
+    assert table[2] == "| ReduceGrads | 110.0 | 150.0 | +50.0 (-10.0..+50.0) |"

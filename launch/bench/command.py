@@ -4,6 +4,7 @@
     spotline bench foundation --model gpt2-big     (or --ladder gpt2: tiny, mid, big)
     spotline bench foundation --stages 4           (4 stages x 1 pipeline; default 2 x 2)
     spotline bench foundation --alternate 4        (a round's jobs at once, taking turns)
+    spotline bench foundation --profile            (CPU and idle cores against stock's)
     spotline bench redundancy [--steps 30] [--repeats 3] [--cases 2x2,2x4,4x4] [--pipelines 2]
                               [--modes lazy,lazy-sharded] [--alternate 6] [--profile]
     spotline bench recovery --trace FILE [--time-scale 60] [--max-workers 3]
@@ -166,6 +167,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also time every schedule instruction of every run, and report each mode's CPU "
         "per step by instruction (the schedule's thread and the others) against off's, "
         "paired by round",
+    )
+    foundation.add_argument(
+        "--profile",
+        action="store_true",
+        help="also time every schedule instruction of every run, and report each Spotline "
+        "variant's CPU by instruction and the cores' idle time by wait against the stock "
+        "run of its round",
     )
     recovery = sub.add_parser(
         "recovery", parents=[common], help="in-memory failover vs checkpoint-restart on a trace"
@@ -341,7 +349,7 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 def run_bench(args: argparse.Namespace, settings: BenchSettings) -> tuple[dict[str, Any], str]:
     """One benchmark on ``settings``: its report and its table."""
     if args.bench == "foundation":
-        report = bench_foundation(settings, args.stages, args.alternate)
+        report = bench_foundation(settings, args.stages, args.alternate, args.profile)
         return report, format_foundation(report)
     if args.bench == "recovery":
         report = bench_recovery(settings, args.trace, args.time_scale, args.max_workers)

@@ -11,6 +11,7 @@ median of the steps inside the job's turns.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,16 @@ from spotline.launch.bench.alternate import (
     check_alternation,
     log_ready,
     run_alternated_rounds,
-    spotline_launcher,
+)
+from spotline.launch.bench.instructions import (
+    format_paired_cpu,
+    format_paired_idle,
+    paired_cpu,
+    paired_idle,
+    profile_env,
+    profiled_launcher,
+    with_cpu_profile,
+    with_idle_account,
 )
 from spotline.launch.bench.jobs import (
     BenchSettings,
@@ -76,23 +86,67 @@ def topology_overrides(stages: int) -> dict[str, int]:
 FOUNDATION_KEYS = ("samples_per_s", "step_time_s", "wall_s", "setup_s", "final_loss", "process_s")
 
 
-def stock_launcher(config: Path, num_workers: int) -> Launcher:
+def stock_launcher(config: Path, num_workers: int, profile: bool = False) -> Launcher:
     """The stock baseline's ranks under one root, to take turns with ``spotline train`` jobs:
-    ready once rank 0 printed its first step."""
+    ready once rank 0 printed its first step; with ``profile``, its instructions profiled."""
     return Launcher(
         start=lambda run_dir: start_rank_group(
-            STOCK_MODULE, ["--config", str(config)], num_workers, run_dir
+            STOCK_MODULE,
+            ["--config", str(config)],
+            num_workers,
+            run_dir,
+            profile_env(run_dir, profile),
         ),
         ready=lambda run_dir: log_ready(run_dir / "logs" / "worker-0.log"),
-        finish=lambda proc, run_dir: finish_rank_group(proc, run_dir, "stock DeepSpeed"),
+        finish=lambda proc, run_dir: with_cpu_profile(
+            finish_rank_group(proc, run_dir, "stock DeepSpeed"), run_dir, profile
+        ),
     )
 
 
+# The variants --profile pairs with the stock run of their round.
+PROFILED_AGAINST_STOCK = ("spotline-off", "spotline")
+
+
+def profile_against_stock(
+    results: dict[str, list[dict[str, Any]]], work: Path, cores: int
+) -> dict[str, Any]:
+    """``--profile``'s figures: for each of PROFILED_AGAINST_STOCK, its CPU by rank and
+    instruction (:func:`paired_cpu`) and the cores' idle time by wait (:func:`paired_idle`,
+    over each job's turns where they took turns), against the stock run of the same round.
+    Each run's idle account is added to its result (``idle_by_wait_s_per_step``)."""
+    for variant, runs in results.items():
+        for round_idx, run in enumerate(runs):
+            with_idle_account(run, work / f"{variant}-r{round_idx}", cores)
+    stock = results["stock"]
+    return {
+        variant: {
+            "cpu_per_rank": paired_cpu(
+                [
+                    (run["cpu_per_step_per_rank"], base["cpu_per_step_per_rank"])
+                    for run, base in zip(results[variant], stock, strict=True)
+                ]
+            ),
+            "idle_by_wait": paired_idle(
+                [
+                    (run["idle_by_wait_s_per_step"], base["idle_by_wait_s_per_step"])
+                    for run, base in zip(results[variant], stock, strict=True)
+                ]
+            ),
+        }
+        for variant in PROFILED_AGAINST_STOCK
+    }
+
+
 def bench_foundation(
-    settings: BenchSettings, stages: int = 2, alternate_s: float | None = None
+    settings: BenchSettings,
+    stages: int = 2,
+    alternate_s: float | None = None,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Spotline's engine vs DeepSpeed's stock engine on 4 workers in ``stages`` stages; with
-    ``alternate_s``, a round's jobs at once, taking turns of that many seconds."""
+    ``alternate_s``, a round's jobs at once, taking turns of that many seconds; with
+    ``profile``, each Spotline variant's CPU and idle cores against stock's, by round."""
     from spotline.launch.bench.stock_worker import TIED_NOTE
 
     if alternate_s is not None:
@@ -113,24 +167,37 @@ def bench_foundation(
 
     def run_one(variant: str, round_idx: int) -> dict[str, Any]:
         run_dir = work / f"{variant}-r{round_idx}"
+        env = profile_env(run_dir, profile)
         if variant in VARIANT_FLAGS:
-            return run_spotline_train(config, run_dir, VARIANT_FLAGS[variant])
-        return run_stock(config, cfg.num_workers, run_dir)
+            result = run_spotline_train(config, run_dir, VARIANT_FLAGS[variant], env)
+        else:
+            result = run_stock(config, cfg.num_workers, run_dir, env)
+        return with_cpu_profile(result, run_dir, profile)
 
     if alternate_s is None:
         results = run_rounds(FOUNDATION_VARIANTS, settings.repeats, run_one, "foundation")
     else:
         launchers = {
-            variant: spotline_launcher(config, VARIANT_FLAGS[variant])
+            variant: profiled_launcher(config, VARIANT_FLAGS[variant], profile)
             if variant in VARIANT_FLAGS
-            else stock_launcher(config, cfg.num_workers)
+            else stock_launcher(config, cfg.num_workers, profile)
             for variant in FOUNDATION_VARIANTS
         }
         results = run_alternated_rounds(
             launchers, settings.repeats, work, alternate_s, "foundation", cfg.samples_per_step
         )
+    cores = os.cpu_count() or 1
+    profiled = profile_against_stock(results, work, cores) if profile else None
     variants: dict[str, Any] = {}
-    kept = (*FOUNDATION_KEYS, "peak_rss_mib_per_rank", "steps_in_turns", "turns")
+    kept = (
+        *FOUNDATION_KEYS,
+        "peak_rss_mib_per_rank",
+        "steps_in_turns",
+        "turns",
+        "cpu_per_step_per_rank",
+        "idle_by_wait_s_per_step",
+        "idle_window_s",
+    )
     for variant, runs in results.items():
         variants[variant] = {
             **medians(runs, FOUNDATION_KEYS),
@@ -178,6 +245,10 @@ def bench_foundation(
         "variants": variants,
         "ratio_spotline_over_stock": ratios,
         "note": TIED_NOTE,
+        # --profile: CPU seconds per step by rank and instruction, and idle core seconds
+        # per step by wait, each Spotline variant against the stock run of its round.
+        "profile_against_stock": profiled,
+        "cores": cores,
         "machine": {"before": info_before, "after": machine_info()},
     }
 
@@ -223,4 +294,19 @@ def format_foundation(report: dict[str, Any]) -> str:
         f"interval: Spotline {format_median_interval(report['spread']['step_time_s'])}, "
         f"redundancy off {format_median_interval(report['spread']['off_step_time_s'])}"
     )
-    return "\n".join([head, "", *rows, "", spread_line, "", f"Note: {report['note']}."])
+    parts = [head, "", *rows, "", spread_line, "", f"Note: {report['note']}."]
+    over = "the whole run" if report.get("alternate_s") is None else "each job's own turns"
+    for variant, paired in (report.get("profile_against_stock") or {}).items():
+        parts += [
+            "",
+            f"{variant} against stock, paired by round: idle core time a step (ms) by what "
+            f"the waiting ranks were in, over {over} ({report['cores']} cores):",
+            "",
+            format_paired_idle(paired["idle_by_wait"], variant, "stock"),
+            "",
+            f"{variant} against stock, paired by round: CPU a step (ms), schedule thread / "
+            "other threads:",
+            "",
+            format_paired_cpu(paired["cpu_per_rank"], variant, "stock"),
+        ]
+    return "\n".join(parts)

@@ -29,10 +29,15 @@ from spotline.launch.bench.jobs import (
 
 
 def start_rank_group(
-    module: str, args: list[str], num_ranks: int, run_dir: Path
+    module: str,
+    args: list[str],
+    num_ranks: int,
+    run_dir: Path,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """``num_ranks`` ranks of ``module`` under one root process, its output to
-    ``run_dir/bench.log``; :func:`finish_rank_group` waits for it."""
+    """``num_ranks`` ranks of ``module`` under one root process (``extra_env`` added to
+    their environment), its output to ``run_dir/bench.log``; :func:`finish_rank_group`
+    waits for it."""
     run_dir.mkdir(parents=True, exist_ok=True)
     cmd = [
         sys.executable,
@@ -48,7 +53,9 @@ def start_rank_group(
         *args,
     ]
     with open(run_dir / "bench.log", "wb") as log:
-        return subprocess.Popen(cmd, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            cmd, env={**child_env(), **(extra_env or {})}, stdout=log, stderr=subprocess.STDOUT
+        )
 
 
 def finish_rank_group(proc: subprocess.Popen[bytes], run_dir: Path, label: str) -> dict[str, Any]:

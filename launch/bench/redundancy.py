@@ -17,22 +17,25 @@ time stands still while a job is stopped, so this holds for alternated rounds to
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from spotline.errors import UserError
-from spotline.instruction_profile import PROFILE_ENV
 from spotline.launch.bench.alternate import (
-    Launcher,
     alternation_overrides,
     check_alternation,
     run_alternated_rounds,
-    spotline_launcher,
+)
+from spotline.launch.bench.instructions import (
+    format_paired_cpu,
+    paired_cpu,
+    profile_env,
+    profiled_launcher,
+    with_cpu_profile,
 )
 from spotline.launch.bench.jobs import (
     BenchSettings,
-    RunFailed,
     format_spread,
     machine_info,
     median_per_rank,
@@ -43,12 +46,6 @@ from spotline.launch.bench.jobs import (
     run_spotline_train,
     spread,
     write_config,
-)
-from spotline.launch.bench.profile import (
-    cpu_split_per_step,
-    format_paired_cpu,
-    paired_cpu,
-    read_profiles,
 )
 from spotline.plan.schedule import REDUNDANCY_MODES
 
@@ -189,40 +186,6 @@ def _state_ratio(run: dict[str, Any], off: dict[str, Any]) -> float | None:
         return max(int(sum(ranks.values())) for ranks in r["model_state_bytes_per_rank"])
 
     return largest(run) / largest(off)
-
-
-PROFILES = "instructions"
-"""The folder, in a run's directory, its instruction profiles go to (``--profile``)."""
-
-
-def profile_env(run_dir: Path, profile: bool) -> dict[str, str]:
-    """The environment that makes a run profile its instructions into ``run_dir``."""
-    return {PROFILE_ENV: str((run_dir / PROFILES).resolve())} if profile else {}
-
-
-def with_cpu_profile(summary: dict[str, Any], run_dir: Path, profile: bool) -> dict[str, Any]:
-    """``summary`` with ``cpu_per_step_per_rank``: each rank's :func:`cpu_split_per_step`
-    (``--profile``); unchanged without."""
-    if profile:
-        profiles = read_profiles(run_dir / PROFILES)
-        if len(profiles) != len(summary["peak_rss_mib_per_rank"]):
-            raise RunFailed(
-                f"--profile: {run_dir} holds {len(profiles)} instruction profile(s) for "
-                f"{len(summary['peak_rss_mib_per_rank'])} ranks (a rank was replaced?)",
-                1,
-            )
-        summary["cpu_per_step_per_rank"] = [cpu_split_per_step(p) for p in profiles]
-    return summary
-
-
-def profiled_launcher(config: Path, flags: Sequence[str], profile: bool) -> Launcher:
-    """A mode's ``spotline train`` job, to take turns with the others; with ``profile``, its
-    instructions profiled (``cpu_per_step_per_rank``)."""
-    base = spotline_launcher(config, flags, lambda run_dir: profile_env(run_dir, profile))
-    return replace(
-        base,
-        finish=lambda proc, run_dir: with_cpu_profile(base.finish(proc, run_dir), run_dir, profile),
-    )
 
 
 def bench_redundancy(
