@@ -22,7 +22,8 @@ CHILD = textwrap.dedent(
     """
     import json, os, sys, time
     print(json.dumps({"argv": sys.argv[1:], "env": os.environ.get("SPAWN_TEST"),
-                      "sid": os.getsid(0) == os.getpid(), "main": __name__}), flush=True)
+                      "pgid": os.getpgid(0) == os.getpid(), "sid": os.getsid(0),
+                      "main": __name__}), flush=True)
     mode = sys.argv[1]
     if mode == "sleep":
         time.sleep(60)
@@ -56,7 +57,10 @@ def test_a_forked_worker_runs_its_module_with_its_argv_env_log_and_exit_code(spa
     assert proc.poll() == 3 and proc.returncode == 3
     seen = _first_line(log)
     assert '"argv": ["exit", "3"]' in seen and '"env": "w0\'s"' in seen
-    assert '"sid": true' in seen  # its own session: a Ctrl-C reaches the coordinator only
+    # Its own process group (a signal to it reaches it alone), in the zygote's session: the
+    # machine's workers are one scheduling group under the kernel's autogroup, not one each.
+    assert '"pgid": true' in seen
+    assert f'"sid": {os.getsid(sp.zygote_pid)}' in seen and os.getsid(sp.zygote_pid) != os.getsid(0)
     assert '"main": "__main__"' in seen  # run as ``python -m``
 
 

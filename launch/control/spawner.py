@@ -5,8 +5,8 @@ CPU each on a laptop core; four workers starting together on two cores wait twic
 :class:`Spawner` pays it once: it starts one *zygote* process (``python -m
 spotline.launch.control.spawner --preload MODULE ...``) that imports the worker's modules and
 then forks a worker for each request it reads, each child running the worker's ``python -m``
-entry point as if it had been started fresh (own session, own log, its own environment and
-argv). The zygote reaps its children and reports each exit status back, so a
+entry point as if it had been started fresh (own process group, own log, its own environment
+and argv; the zygote's session, which the supervisor started apart from the terminal's). The zygote reaps its children and reports each exit status back, so a
 :class:`ForkedProcess` answers ``poll``/``wait``/``send_signal`` like ``subprocess.Popen``
 and the supervisor treats both alike.
 
@@ -118,6 +118,11 @@ class Spawner:
         # The zygote's pipe reached its end: no exit will be reported from now on.
         self.zygote_gone = False
 
+    @property
+    def zygote_pid(self) -> int:
+        """The zygote's process id: its session's, which its workers share."""
+        return self._zygote.pid
+
     def wait_ready(self, timeout_s: float) -> None:
         """Wait until the zygote has imported its modules (a start is a fork from then on:
         an agent joins only once it can start a worker at once)."""
@@ -222,7 +227,13 @@ def _run_child(request: dict[str, object]) -> None:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         for fd in _CHILD_CLEANUP:
             os.close(fd)
-        os.setsid()
+        # Its own process group (the agent's signals and a terminal's reach it alone), but
+        # the zygote's session, shared by the machine's workers. A session is what the
+        # kernel's autogroup scheduling (on by default) gives a CPU share of its own: a
+        # session per worker made each its own scheduling group, and with more workers than
+        # cores the pipelines drifted out of phase and waited for each other in the
+        # data-parallel reduction (BENCHMARKS.md, seventeenth pass).
+        os.setpgid(0, 0)
         log_fd = os.open(str(request["log"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         null_fd = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null_fd, 0)  # not the zygote's request pipe
