@@ -76,6 +76,9 @@ class InstructionProfile:
     thread_cpu_seconds: dict[str, float] = field(default_factory=dict)
     # The first TIMELINE_EVENTS instructions measured, in order.
     events: list[Event] = field(default_factory=list)
+    # The pipeline stage of the engine last instrumented (None: not a pipeline engine's):
+    # which ranks are a stage's data-parallel peers.
+    stage: int | None = None
     # (wall, process CPU, thread CPU) clocks at the end of the last optimizer step; None
     # before the first.
     _mark: Clocks | None = field(default=None, repr=False, compare=False)
@@ -128,6 +131,7 @@ class InstructionProfile:
             "calls": self.calls,
             "steps": self.steps,
             "events": [[e.name, e.step, e.start, e.end] for e in self.events],
+            "stage": self.stage,
         }
 
     @classmethod
@@ -140,6 +144,8 @@ class InstructionProfile:
             dict(raw.get("thread_cpu_seconds", {})),
             # Profiles written before the timeline have none.
             [Event(str(n), int(k), float(a), float(b)) for n, k, a, b in raw.get("events", [])],
+            # Profiles written before the stage was kept have none.
+            raw.get("stage"),
         )
 
     def per_step(self) -> dict[str, float]:
@@ -197,9 +203,11 @@ TIMELINE_PARTS = {
 
 def instrument(engine: Any, profile: InstructionProfile) -> None:
     """Time ``engine``'s instructions into ``profile`` (on the instance's own map: the
-    class's map and every other engine stay as they are), and put the parts of
-    TIMELINE_PARTS it has on the timeline."""
+    class's map and every other engine stay as they are), put the parts of TIMELINE_PARTS
+    it has on the timeline, and note its pipeline stage."""
     engine._INSTRUCTION_MAP = timed_map(type(engine)._INSTRUCTION_MAP, profile)
+    stage = getattr(engine, "stage_id", None)
+    profile.stage = None if stage is None else int(stage)
     for attribute, name in TIMELINE_PARTS.items():
         part = getattr(engine, attribute, None)
         if part is not None:

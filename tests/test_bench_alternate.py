@@ -290,8 +290,14 @@ def _check_foundation_profile(
         assert len(run["cpu_per_step_per_rank"]) == 4
         assert 0 < run["idle_window_s"] <= sum(t.end - t.start for t in turns[variant])
         assert run["idle_by_wait_s_per_step"], variant
-    paired = report["profile_against_stock"]
+    paired = report["profile_against_stock"]["against_stock"]
     assert sorted(paired) == ["spotline", "spotline-off"]
+    # Every variant's stages met in their reduction at steps inside its turns: 2 stages, each
+    # of two data-parallel ranks, a figure per stage and step.
+    skews = report["profile_against_stock"]["reduction_skew_s"]
+    for variant in ("spotline", "spotline-off", "stock"):
+        assert skews[variant]["count"] >= 2 and skews[variant]["p90"] >= skews[variant]["median"]
+    assert "How far apart a stage's data-parallel ranks reach the gradient reduction" in stdout
     for variant, figures in paired.items():
         ranks = figures["cpu_per_rank"]
         assert len(ranks) == 4

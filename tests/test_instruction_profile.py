@@ -247,6 +247,14 @@ def test_the_timeline_puts_each_instruction_and_the_commit_barrier_on_the_hosts_
     assert engine.ran.count(("barrier", None)) == 3
     again = InstructionProfile.from_json(json.loads(json.dumps(profile.to_json())))
     assert again.events == profile.events
+    # A pipeline engine's stage is noted (which ranks are data-parallel peers); a stand-in
+    # without one has none.
+    assert profile.stage is None and again.stage is None
+    staged = Barrier()
+    staged.stage_id = 1  # type: ignore[attr-defined]
+    instrument(staged, profile)
+    assert profile.stage == 1
+    assert InstructionProfile.from_json(json.loads(json.dumps(profile.to_json()))).stage == 1
 
 
 def test_idle_cores_are_charged_to_the_waits_that_leave_them_idle() -> None:
@@ -355,3 +363,27 @@ def test_idle_time_is_paired_by_round_wait_by_wait() -> None:
         "| all",
     ]
     assert table[2] == "| ReduceGrads | 110.0 | 150.0 | +50.0 (-10.0..+50.0) |"
+
+
+def test_a_stages_peers_are_timed_apart_at_their_reduction() -> None:
+    """Per stage and step, from the first data-parallel peer's arrival at ReduceGrads to the
+    last's; a step whose arrivals a pause (outside the job's turns) separates is left out,
+    and a stage with one rank has no peers to wait for."""
+    from spotline.instruction_profile import Event
+    from spotline.launch.bench.instructions import reduction_skew
+
+    def rank(stage: int, *starts_ms: int) -> InstructionProfile:
+        events = [
+            Event("ReduceGrads", step, start / 1000, (start + 5) / 1000)
+            for step, start in enumerate(starts_ms)
+        ]
+        return InstructionProfile(events=events, stage=stage)
+
+    # Stage 0's peers arrive 10 ms then 40 ms apart; stage 1's 0 then 25 ms apart.
+    ranks = [rank(0, 100, 300), rank(0, 110, 340), rank(1, 120, 320), rank(1, 120, 345)]
+    assert [round(s * 1000) for s in reduction_skew(ranks)] == [10, 40, 0, 25]
+    # A job's turn ending at 330 ms: the second step's arrivals straddle the pause.
+    turns = [(0.0, 0.330)]
+    assert [round(s * 1000) for s in reduction_skew(ranks, turns)] == [10, 0]
+    # One pipeline: every stage has one rank.
+    assert reduction_skew([rank(0, 100), rank(1, 130)]) == []

@@ -12,6 +12,7 @@ median of the steps inside the job's turns.
 from __future__ import annotations
 
 import os
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,12 +25,15 @@ from spotline.launch.bench.alternate import (
     run_alternated_rounds,
 )
 from spotline.launch.bench.instructions import (
+    PROFILES,
     format_paired_cpu,
     format_paired_idle,
     paired_cpu,
     paired_idle,
     profile_env,
     profiled_launcher,
+    read_profiles,
+    reduction_skew,
     with_cpu_profile,
     with_idle_account,
 )
@@ -113,13 +117,23 @@ def profile_against_stock(
 ) -> dict[str, Any]:
     """``--profile``'s figures: for each of PROFILED_AGAINST_STOCK, its CPU by rank and
     instruction (:func:`paired_cpu`) and the cores' idle time by wait (:func:`paired_idle`,
-    over each job's turns where they took turns), against the stock run of the same round.
-    Each run's idle account is added to its result (``idle_by_wait_s_per_step``)."""
+    over each job's turns where they took turns), against the stock run of the same round;
+    and each variant's :func:`reduction_skew`. Each run's idle account is added to its
+    result (``idle_by_wait_s_per_step``)."""
+    skews: dict[str, list[float]] = {}
     for variant, runs in results.items():
         for round_idx, run in enumerate(runs):
-            with_idle_account(run, work / f"{variant}-r{round_idx}", cores)
+            run_dir = work / f"{variant}-r{round_idx}"
+            with_idle_account(run, run_dir, cores)
+            turns = run.get("turns")
+            skews.setdefault(variant, []).extend(
+                reduction_skew(
+                    read_profiles(run_dir / PROFILES),
+                    None if turns is None else [(float(a), float(b)) for a, b in turns],
+                )
+            )
     stock = results["stock"]
-    return {
+    paired = {
         variant: {
             "cpu_per_rank": paired_cpu(
                 [
@@ -136,6 +150,21 @@ def profile_against_stock(
         }
         for variant in PROFILED_AGAINST_STOCK
     }
+    return {
+        "against_stock": paired,
+        # Per variant, over every step of every round: how far apart a stage's data-parallel
+        # ranks reached the gradient reduction (seconds).
+        "reduction_skew_s": {variant: skew_summary(s) for variant, s in skews.items()},
+    }
+
+
+def skew_summary(skews: Sequence[float]) -> dict[str, float]:
+    """The median, 90th percentile and count of :func:`reduction_skew`'s figures (0 each
+    without any: one pipeline)."""
+    if not skews:
+        return {"median": 0.0, "p90": 0.0, "count": 0}
+    p90 = statistics.quantiles(skews, n=10)[-1] if len(skews) > 1 else skews[0]
+    return {"median": statistics.median(skews), "p90": p90, "count": len(skews)}
 
 
 def bench_foundation(
@@ -296,7 +325,19 @@ def format_foundation(report: dict[str, Any]) -> str:
     )
     parts = [head, "", *rows, "", spread_line, "", f"Note: {report['note']}."]
     over = "the whole run" if report.get("alternate_s") is None else "each job's own turns"
-    for variant, paired in (report.get("profile_against_stock") or {}).items():
+    profiled = report.get("profile_against_stock") or {"against_stock": {}}
+    if "reduction_skew_s" in profiled:
+        skew = profiled["reduction_skew_s"]
+        parts += [
+            "",
+            "How far apart a stage's data-parallel ranks reach the gradient reduction, median / "
+            f"90th percentile over the steps of {over} (ms): "
+            + ", ".join(
+                f"{v} {skew[v]['median'] * 1000:.0f} / {skew[v]['p90'] * 1000:.0f}"
+                for v in FOUNDATION_VARIANTS
+            ),
+        ]
+    for variant, paired in profiled["against_stock"].items():
         parts += [
             "",
             f"{variant} against stock, paired by round: idle core time a step (ms) by what "

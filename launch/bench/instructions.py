@@ -264,6 +264,40 @@ def format_paired_idle(paired: Mapping[str, Mapping[str, Any]], variant: str, ba
     return "\n".join(rows)
 
 
+REDUCTION = "ReduceGrads"
+"""The instruction in which a stage's data-parallel ranks meet each step."""
+
+
+def reduction_skew(
+    profiles: Sequence[InstructionProfile], windows: Sequence[Window] | None = None
+) -> list[float]:
+    """How far apart a stage's data-parallel ranks reach the step's gradient reduction:
+    per stage (ranks grouped by :attr:`InstructionProfile.stage`) and step, the seconds
+    from the first rank's REDUCTION start to the last's. With ``windows`` (a job's turns),
+    only the steps in which every rank's reduction lies inside one window (a pause between
+    two arrivals is no skew of theirs). The peers wait for the last one: a skew is time
+    the earlier ones spend in the collective instead of computing."""
+    by_stage: dict[int, list[InstructionProfile]] = {}
+    for profile in profiles:
+        assert profile.stage is not None, "a profile without its stage"
+        by_stage.setdefault(profile.stage, []).append(profile)
+    skews: list[float] = []
+    for _, peers in sorted(by_stage.items()):
+        if len(peers) < 2:
+            continue  # one pipeline: no peers to wait for
+        starts: list[dict[int, Event]] = [
+            {e.step: e for e in p.events if e.name == REDUCTION} for p in peers
+        ]
+        for step in sorted(set.intersection(*(set(s) for s in starts))):
+            events = [s[step] for s in starts]
+            if windows is not None and not any(
+                all(a <= e.start and e.end <= b for e in events) for a, b in windows
+            ):
+                continue
+            skews.append(max(e.start for e in events) - min(e.start for e in events))
+    return skews
+
+
 def format_idle(idle: Mapping[str, Mapping[str, float]]) -> list[str]:
     """The rows of the idle account (:func:`idle_account`, per step) of each variant: ms of
     idle core time a step by wait, the largest first, and their sum."""
