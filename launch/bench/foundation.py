@@ -34,6 +34,7 @@ from spotline.launch.bench.instructions import (
     profiled_launcher,
     read_profiles,
     reduction_skew,
+    turn_windows,
     with_cpu_profile,
     with_idle_account,
 )
@@ -123,15 +124,9 @@ def profile_against_stock(
     skews: dict[str, list[float]] = {}
     for variant, runs in results.items():
         for round_idx, run in enumerate(runs):
-            run_dir = work / f"{variant}-r{round_idx}"
-            with_idle_account(run, run_dir, cores)
-            turns = run.get("turns")
-            skews.setdefault(variant, []).extend(
-                reduction_skew(
-                    read_profiles(run_dir / PROFILES),
-                    None if turns is None else [(float(a), float(b)) for a, b in turns],
-                )
-            )
+            profiles = read_profiles(work / f"{variant}-r{round_idx}" / PROFILES)
+            with_idle_account(run, profiles, cores)
+            skews.setdefault(variant, []).extend(reduction_skew(profiles, turn_windows(run)))
     stock = results["stock"]
     paired = {
         variant: {

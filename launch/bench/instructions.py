@@ -344,13 +344,18 @@ def with_cpu_profile(summary: dict[str, Any], run_dir: Path, profile: bool) -> d
     return summary
 
 
-def with_idle_account(summary: dict[str, Any], run_dir: Path, cores: int) -> dict[str, Any]:
-    """``summary`` with ``idle_by_wait_s_per_step``: the idle account of the profiles in
-    ``run_dir``'s PROFILES folder, over the run's ``turns`` where it took turns."""
-    profiles = read_profiles(run_dir / PROFILES)
+def turn_windows(summary: Mapping[str, Any]) -> list[Window] | None:
+    """A run's turns (``summary["turns"]``) as windows; None for a run that took none."""
     turns = summary.get("turns")
-    windows = None if turns is None else [(float(a), float(b)) for a, b in turns]
-    account = idle_account([p.events for p in profiles], cores, windows)
+    return None if turns is None else [(float(a), float(b)) for a, b in turns]
+
+
+def with_idle_account(
+    summary: dict[str, Any], profiles: Sequence[InstructionProfile], cores: int
+) -> dict[str, Any]:
+    """``summary`` with ``idle_by_wait_s_per_step``: the idle account of its run's
+    ``profiles``, over the run's turns where it took turns."""
+    account = idle_account([p.events for p in profiles], cores, turn_windows(summary))
     summary["idle_by_wait_s_per_step"] = account.per_step()
     summary["idle_window_s"] = account.window_s
     return summary
