@@ -6,7 +6,8 @@ CPU each on a laptop core; four workers starting together on two cores wait twic
 spotline.launch.control.spawner --preload MODULE ...``) that imports the worker's modules and
 then forks a worker for each request it reads, each child running the worker's ``python -m``
 entry point as if it had been started fresh (own process group, own log, its own environment
-and argv; the zygote's session, which the supervisor started apart from the terminal's). The zygote reaps its children and reports each exit status back, so a
+and argv; the zygote's session, which the supervisor started apart from the terminal's).
+The zygote reaps its children and reports each exit status back, so a
 :class:`ForkedProcess` answers ``poll``/``wait``/``send_signal`` like ``subprocess.Popen``
 and the supervisor treats both alike.
 
