@@ -83,6 +83,12 @@ def paired_cpu(
     return out
 
 
+def ms_difference(spread_s: Mapping[str, float]) -> str:
+    """``+1.5 (-0.2..+3.0)``: a paired difference's :func:`spread` in ms, signed."""
+    low, mid, high = (spread_s[k] * 1000 for k in ("min", "median", "max"))
+    return f"{mid:+.1f} ({low:+.1f}..{high:+.1f})"
+
+
 def format_paired_cpu(
     paired: Sequence[Mapping[str, Mapping[str, Any]]], variant: str, baseline: str
 ) -> str:
@@ -92,9 +98,6 @@ def format_paired_cpu(
 
     def ms(pair: Sequence[float]) -> str:
         return f"{pair[0] * 1000:.1f} / {pair[1] * 1000:.1f}"
-
-    def diff(s: Mapping[str, float]) -> str:
-        return f"{s['median'] * 1000:+.1f} ({s['min'] * 1000:+.1f}..{s['max'] * 1000:+.1f})"
 
     rows = [
         f"| rank | instruction | {baseline} | {variant} | {variant} - {baseline}, schedule thread "
@@ -112,7 +115,7 @@ def format_paired_cpu(
             label = "the whole step" if name == WHOLE_STEP else name
             rows.append(
                 f"| {rank} | {label} | {ms(f['baseline_s'])} | {ms(f['variant_s'])} "
-                f"| {diff(f['difference_s'][0])} | {diff(f['difference_s'][1])} |"
+                f"| {ms_difference(f['difference_s'][0])} | {ms_difference(f['difference_s'][1])} |"
             )
     return "\n".join(rows)
 
@@ -157,6 +160,12 @@ Window = tuple[float, float]
 """A span of the host's clock (Unix time, start and end)."""
 
 
+def within(windows: Sequence[Window] | None, start: float, end: float) -> bool:
+    """Whether ``start``..``end`` lies inside one of ``windows`` (None: no windows, anywhere
+    counts)."""
+    return windows is None or any(a <= start and end <= b for a, b in windows)
+
+
 def idle_account(
     timelines: Sequence[Sequence[Event]], cores: int, windows: Sequence[Window] | None = None
 ) -> IdleAccount:
@@ -199,11 +208,13 @@ def idle_account(
             for name in waiting:
                 idle[name] = idle.get(name, 0.0) + free * SLICE_S / len(waiting)
 
-    def counts(at: float) -> bool:
-        return start <= at <= end and (windows is None or any(a <= at <= b for a, b in windows))
-
     steps = sum(
-        sum(1 for e in t if e.name == "OptimizerStep" and counts(e.end)) for t in timelines
+        sum(
+            1
+            for e in t
+            if e.name == "OptimizerStep" and start <= e.end <= end and within(windows, e.end, e.end)
+        )
+        for t in timelines
     ) / len(timelines)
     return IdleAccount(sum(counted) * SLICE_S, steps, idle)
 
@@ -240,9 +251,6 @@ def format_paired_idle(paired: Mapping[str, Mapping[str, Any]], variant: str, ba
     """A Markdown table of :func:`paired_idle`: ms of idle core time a step, every wait whose
     median on either side is at least 0.05 ms, the largest first, then ALL_WAITS."""
 
-    def diff(s: Mapping[str, float]) -> str:
-        return f"{s['median'] * 1000:+.1f} ({s['min'] * 1000:+.1f}..{s['max'] * 1000:+.1f})"
-
     waits = sorted(
         (
             n
@@ -259,7 +267,7 @@ def format_paired_idle(paired: Mapping[str, Mapping[str, Any]], variant: str, ba
         f = paired[name]
         rows.append(
             f"| {name} | {f['baseline_s'] * 1000:.1f} | {f['variant_s'] * 1000:.1f} "
-            f"| {diff(f['difference_s'])} |"
+            f"| {ms_difference(f['difference_s'])} |"
         )
     return "\n".join(rows)
 
@@ -290,9 +298,8 @@ def reduction_skew(
         ]
         for step in sorted(set.intersection(*(set(s) for s in starts))):
             events = [s[step] for s in starts]
-            if windows is not None and not any(
-                all(a <= e.start and e.end <= b for e in events) for a, b in windows
-            ):
+            first, last = min(e.start for e in events), max(e.end for e in events)
+            if not within(windows, first, last):
                 continue
             skews.append(max(e.start for e in events) - min(e.start for e in events))
     return skews
