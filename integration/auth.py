@@ -31,9 +31,10 @@ from pathlib import Path
 from typing import Protocol
 
 from spotline.errors import UserError
+from spotline.run_dir import TOKEN_NAME
 
 TOKEN_ENV = "SPOTLINE_JOB_TOKEN"  # how an agent hands the token to its workers
-TOKEN_FILE = "job-token"  # the coordinator's generated token, in its output directory
+TOKEN_FILE = TOKEN_NAME  # the coordinator's generated token, in its output directory
 _SEP = b"|"
 _MAC_LEN = 64  # hex digits of a SHA-256
 

@@ -27,6 +27,10 @@ from spotline.tracking import write_bytes_atomic
 
 # The checkpoints' one logger, whichever half logs: what users filter on is spotline.checkpoint.
 log = logging.getLogger("spotline.checkpoint")
+# The skipped checkpoints already told (path, problems): a run looks for its newest
+# checkpoint more than once (a --resume before it starts, each fallback), and one partial
+# checkpoint is one line, not one a look-up.
+_told_skipped: set[tuple[str, str]] = set()
 
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = 1
@@ -209,12 +213,15 @@ def verify_checkpoint(root: Path, step: int) -> list[str]:
 def latest_complete(root: Path) -> int | None:
     """The newest step under ``root`` whose manifest exists and whose files verify; None if
     there is none. Partial (no manifest) and corrupt checkpoints are skipped, each with a
-    warning on the ``spotline.checkpoint`` logger."""
+    warning on the ``spotline.checkpoint`` logger (once a process)."""
     for step, path in reversed(step_dirs(root)):
         problems = verify_checkpoint(root, step)
         if not problems:
             return step
-        log.warning("skipping checkpoint %s: %s", path, "; ".join(problems))
+        told = (str(path), "; ".join(problems))
+        if told not in _told_skipped:
+            _told_skipped.add(told)
+            log.warning("skipping checkpoint %s: %s", *told)
     return None
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Final, Literal, TypeVar, Union
 
 from spotline.errors import UserError
+from spotline.model_config import preset_blocks
 from spotline.plan.capacity import DEFAULT_STAGES_PER_WORKER, Capacity
 from spotline.plan.chaos import parse_rescales
 from spotline.plan.policies import RecoveryMode
@@ -426,6 +427,24 @@ _STATEFUL_FEATURES = {
 }
 
 
+def _indivisible_workers(workers: int, stages: int, model: str) -> UserError:
+    """``--workers`` not a multiple of ``--stages``: the fix, and when the preset has fewer
+    blocks than ``--stages`` that mistake too, at once ("a multiple of 8 workers" alone led
+    straight to the model check's "more stages than blocks")."""
+    blocks = preset_blocks(model)
+    if blocks is not None and stages > blocks:
+        fits = max(d for d in range(1, blocks + 1) if workers % d == 0)
+        return UserError(
+            f"--stages {stages} is more than the model's {blocks} transformer blocks, and "
+            f"--workers {workers} is not a multiple of it; use at most {blocks} stages and "
+            f"a multiple of that many workers (e.g. --stages {fits} --workers {workers})"
+        )
+    return UserError(
+        f"--workers {workers} is not divisible by --stages {stages}; "
+        f"use a multiple of {stages} workers (each pipeline needs one per stage)"
+    )
+
+
 def _check_recoverable(ds: Mapping[str, Any]) -> None:
     """Refuse DeepSpeed keys whose state a recovery cannot carry exactly, naming the key."""
     for key, state in _STATEFUL_FEATURES.items():
@@ -582,10 +601,7 @@ def validate(cfg: RunConfig) -> None:
             "config key 'spotline.checkpoints.interval_steps' is negative; use 0 (never) or a step count"
         )
     if sl.topology.workers % sl.topology.stages != 0:
-        raise UserError(
-            f"--workers {sl.topology.workers} is not divisible by --stages {sl.topology.stages}; "
-            f"use a multiple of {sl.topology.stages} workers (each pipeline needs one per stage)"
-        )
+        raise _indivisible_workers(sl.topology.workers, sl.topology.stages, sl.model.name)
     logical = sl.elasticity.logical_workers
     if logical is not None and logical < cfg.num_physical_pipelines:
         # One rule for both entry points (spotline train and DeepSpeed's launcher): a

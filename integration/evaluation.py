@@ -48,15 +48,14 @@ from spotline.plan.evaluation import (
     reduce_losses,
 )
 from spotline.protocol import EvalResult
-from spotline.tracking import BEST_MODEL
+from spotline.run_dir import BEST_MODEL
+from spotline.run_dir import EVAL_MODELS as EVAL_MODELS
 
 if TYPE_CHECKING:
     import transformers
 
     from spotline.engine import SpotlinePipelineEngine
 
-EVAL_MODELS = "eval-models"
-"""Where the best models' directories are (the one ``best`` names; older ones are removed)."""
 EVAL_NOTE = "spotline-eval.json"
 """The evaluation a saved model directory is from (:class:`EvalResult` as JSON)."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spotline import data as sl_data
@@ -144,6 +145,13 @@ def _load_eval_file(cfg: RunConfig, path: str) -> PackedCorpus:
     """``--eval-data`` through the loader ``--data`` goes through (same tokenizer, seq_len
     and instruction layout); its size is checked by the caller."""
     sl = cfg.spotline
+    if not Path(path).expanduser().exists():
+        # Said here: the loader's own message is --data's (its advice names --data).
+        raise UserError(
+            f"--eval-data {path} does not exist; pass a .txt/.json/.jsonl file or a folder "
+            "to evaluate on, or hold out a share of the training rows with --eval-holdout "
+            "FRACTION"
+        )
     try:
         return load_corpus(
             path,

@@ -10,11 +10,12 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
-
-import transformers
+from typing import TYPE_CHECKING, Any
 
 from spotline.errors import UserError
+
+if TYPE_CHECKING:  # imported where a config is built: the presets' shapes need no import
+    import transformers
 
 # Byte-level vocabulary: 256 byte values plus a few specials (256 = bos/eos).
 _BYTE_VOCAB_SIZE = 260
@@ -205,6 +206,8 @@ def load_hf_config(
     a causal mask. ``overrides`` sets existing config attributes (e.g. dropout
     probabilities to 0.0); an unknown one is a UserError.
     """
+    import transformers
+
     presets = ", ".join(PRESETS)
     if spec in PRESETS:
         fields = dict(PRESETS[spec])
@@ -249,3 +252,12 @@ def load_hf_config(
 def num_blocks(hf_config: transformers.PretrainedConfig) -> int:
     """Number of transformer blocks (pipeline layers that carry the compute)."""
     return int(hf_config.num_hidden_layers)
+
+
+def preset_blocks(name: str) -> int | None:
+    """The transformer blocks of preset ``name`` (None: not a preset), known without
+    transformers: what the config's own checks (``spotline.config``) can say of the model."""
+    fields = PRESETS.get(name)
+    if fields is None:
+        return None
+    return int(fields.get("n_layer", fields.get("num_hidden_layers", 0)))

@@ -33,18 +33,23 @@ import hashlib
 import io
 import math
 import statistics
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from spotline.run_dir import TIMELINE_CSV, TIMELINE_PNG
 from spotline.tracking import write_bytes_atomic
 
 if TYPE_CHECKING:  # matplotlib is imported only when a plot is drawn
     from matplotlib.figure import Figure
 
 PREEMPTION_EVENTS = frozenset({"preempted"})
-FAILURE_EVENTS = frozenset({"preempted", "detected"})
+# A worker killed because it hung: its heartbeat missed, or silent long after its peers
+# reported. A loss as a preemption is (it opens a recovery), but not a preemption.
+HUNG_EVENTS = frozenset({"heartbeat-missed", "unresponsive"})
+FAILURE_EVENTS = frozenset({"preempted", "detected"}) | HUNG_EVENTS
 RECOVERY_EVENTS = frozenset({"recovered"})
 ARRIVAL_EVENTS = frozenset({"arrived"})
 CSV_COLUMNS = (
@@ -57,6 +62,9 @@ CSV_COLUMNS = (
     "detail",
     "eval_loss",
 )
+# How often a ``throughput`` row is recorded while the run trains (its samples/s since the
+# previous one): often enough to show a slowdown, few enough rows for a long run.
+THROUGHPUT_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -154,6 +162,18 @@ class Timeline:
                 ]
             )
         write_bytes_atomic(Path(path), buffer.getvalue().encode("utf-8"))
+
+    def write(self, output: Path, *, png: bool, title: str) -> None:
+        """The run's files in ``output``: ``timeline.csv`` and, with ``png``
+        (``spotline.tracking.timeline_png``), ``timeline.png`` titled ``title``; what every
+        entry point writes at a run's end."""
+        self.write_csv(output / TIMELINE_CSV)
+        if not png:
+            return
+        try:
+            self.plot_png(output / TIMELINE_PNG, title)
+        except Exception as exc:  # a plot is a convenience; never fail a finished run on it
+            print(f"spotline: timeline plot skipped: {exc}", file=sys.stderr)
 
     def plot_png(self, path: Path, title: str) -> Figure:
         """Draw the timeline into ``path`` (PNG, atomically): live workers over time with
@@ -290,26 +310,32 @@ def _plot(rows: list[TimelineRow], title: str) -> Figure:
 def summarize_recoveries(events: Iterable[TimelineRow]) -> dict[str, Any]:
     """Recovery times of a run from its timeline rows (taken in time order).
 
-    An *episode* opens at a ``preempted`` or ``detected`` row when none is open (later
-    failure rows before the recovery belong to the same episode: a multi-worker loss is one
-    recovery) and closes at the next ``recovered`` row. Keys of the result:
+    An *episode* opens at a failure row (``preempted``, ``detected``, or a hung worker's
+    :data:`HUNG_EVENTS`) when none is open (later failure rows before the recovery belong to
+    the same episode: a multi-worker loss is one recovery) and closes at the next
+    ``recovered`` row. Keys of the result:
 
     ``num_failures``
-        failure rows (``preempted`` or ``detected``) seen.
+        failure rows seen.
     ``num_recoveries``
-        closed episodes; ``num_unrecovered`` counts an episode still open at the end (0 or 1).
+        ``recovered`` rows: every recovery, in memory or from a checkpoint, as the run's
+        ``recoveries`` counts them (one ``recovered`` event each). ``num_unrecovered``
+        counts an episode still open at the end (0 or 1).
     ``recovery_s``
-        each closed episode's time from its first failure row to its ``recovered`` row.
+        each closed episode's time from its first failure row to its ``recovered`` row (a
+        ``recovered`` row with no failure row before it has no time).
     ``median_recovery_s``, ``max_recovery_s``, ``total_recovery_s``
         of ``recovery_s`` (None, None, 0.0 without recoveries).
     ``detection_s``
         per closed episode that holds both: its first ``preempted`` row to its first
         ``detected`` row; ``median_detection_s`` (None without any).
 
-    A ``recovered`` row with no open episode is ignored (nothing to pair it with).
+    A ``recovered`` row with no open episode (a failed step that lost no process) counts
+    as a recovery but has no time (nothing to pair it with).
     """
     rows = sorted(events, key=lambda row: row.t_s)
     num_failures = 0
+    num_recoveries = 0
     recovery_s: list[float] = []
     detection_s: list[float] = []
     opened: float | None = None
@@ -324,7 +350,10 @@ def summarize_recoveries(events: Iterable[TimelineRow]) -> dict[str, Any]:
                 preempted_at = row.t_s
             if row.event == "detected" and detected_at is None:
                 detected_at = row.t_s
-        elif row.event in RECOVERY_EVENTS and opened is not None:
+        elif row.event in RECOVERY_EVENTS:
+            num_recoveries += 1
+            if opened is None:
+                continue
             recovery_s.append(row.t_s - opened)
             # A detection recorded before the preemption row (a late notice) has no latency.
             if preempted_at is not None and detected_at is not None and detected_at >= preempted_at:
@@ -332,7 +361,7 @@ def summarize_recoveries(events: Iterable[TimelineRow]) -> dict[str, Any]:
             opened = preempted_at = detected_at = None
     return {
         "num_failures": num_failures,
-        "num_recoveries": len(recovery_s),
+        "num_recoveries": num_recoveries,
         "num_unrecovered": 0 if opened is None else 1,
         "recovery_s": recovery_s,
         "median_recovery_s": statistics.median(recovery_s) if recovery_s else None,

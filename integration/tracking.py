@@ -14,25 +14,21 @@ from spotline.config import TrackingSection
 from spotline.plan.evaluation import best_step
 from spotline.protocol import EvalResult
 
-SUMMARY_NAME = "summary.json"
-# Where summary.json's best evaluation's model is, in the output directory (the link
-# spotline.evaluation.publish_best swaps; named here, where the coordinator can read it).
-BEST_MODEL = "best"
+# Named in spotline.run_dir with everything else a run writes; imported from here too.
+from spotline.run_dir import BEST_MODEL as BEST_MODEL
+from spotline.run_dir import SUMMARY_NAME as SUMMARY_NAME
+from spotline.run_dir import WANDB_RUN_NAME as WANDB_RUN_NAME
 
 
-# The run's wandb id and the steps already logged to it, in the output directory: the one
-# wandb run a stopped run's ``--resume`` continues (resumed, never a second run).
-WANDB_RUN_NAME = "wandb-run.json"
-
-
-def wandb_run_of(output_dir: Path) -> tuple[str, int]:
-    """The output directory's wandb run id (a new one for a new directory) and the number
-    of steps already logged to it (steps below it are not logged again)."""
+def wandb_run_of(output_dir: Path) -> tuple[str, int, int]:
+    """The output directory's wandb run id (a new one for a new directory), the number of
+    steps already logged to it (steps below it are not logged again) and the number of the
+    run's events already logged (the run's events are one list over its parts)."""
     path = output_dir / WANDB_RUN_NAME
     if path.is_file():
         saved = json.loads(path.read_text())
-        return str(saved["id"]), int(saved["logged_steps"])
-    return uuid.uuid4().hex[:16], 0
+        return str(saved["id"]), int(saved["logged_steps"]), int(saved.get("logged_events", 0))
+    return uuid.uuid4().hex[:16], 0, 0
 
 
 def eval_fields(evaluations: Mapping[int, EvalResult]) -> dict[str, Any]:
@@ -92,13 +88,14 @@ class Tracker:
         self.enabled = enabled
         self._run: Any = None
         self._bar: Any = None
+        self.logged_events = 0
         if not enabled:
             return
         if settings.wandb != "disabled":
             import wandb
 
             mode = os.environ.get("WANDB_MODE", settings.wandb)
-            self._run_id, self._logged = wandb_run_of(output_dir)
+            self._run_id, self._logged, self.logged_events = wandb_run_of(output_dir)
             self._next = self._logged
             self._output_dir = output_dir
             self._save_run()
@@ -122,7 +119,11 @@ class Tracker:
         self._total = total_steps
 
     def _save_run(self) -> None:
-        record = {"id": self._run_id, "logged_steps": self._next}
+        record = {
+            "id": self._run_id,
+            "logged_steps": self._next,
+            "logged_events": self.logged_events,
+        }
         write_json_atomic(self._output_dir / WANDB_RUN_NAME, record)
 
     def log_step(self, step: int, metrics: dict[str, float]) -> None:
@@ -159,9 +160,16 @@ class Tracker:
             else:
                 print(line, file=sys.stderr, flush=True)
 
-    def log_event(self, name: str, payload: dict[str, Any]) -> None:
+    def log_event(self, name: str, payload: Mapping[str, Any], *, step: int) -> None:
+        """The run's next event, at ``step`` (wandb's steps only grow: a step below the last
+        one logged is raised to it), counted in ``logged_events``."""
         if self.enabled and self._run is not None:
-            self._run.log({f"event/{name}": 1, **{f"event/{k}": v for k, v in payload.items()}})
+            values = {f"event/{name}/{k}": v for k, v in payload.items()}
+            # The earliest step still open: this part's last logged one, or the first step
+            # this part logs (the earlier parts' steps are closed).
+            floor = max(self._logged, self._next - 1)
+            self._run.log({f"event/{name}": 1, **values}, step=max(step, floor))
+            self.logged_events += 1
 
     def finish(self, summary: dict[str, Any] | None) -> None:
         if not self.enabled:

@@ -9,7 +9,10 @@ config, corpus and eval set), the evaluations (``spotline.evaluation.Evaluator``
 engine (``spotline.engine``, ``spotline.redundancy``), the global sampler, which reads each
 micro-batch by (step, logical worker, micro-batch) so that what a pipeline trains on never
 depends on how many processes exist, and :func:`export_final_model` (the exported model,
-its tokenizer and its hash).
+its tokenizer and its hash). It writes what ``spotline train`` writes besides: each rank's
+output in ``logs/`` (rank ``r`` as worker :func:`worker_id` ``r``) and, from rank 0,
+``timeline.csv``/``timeline.png`` (``spotline.report.Timeline``) and ``summary.json``'s
+placement keys.
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ from spotline.inputs import Inputs as Inputs  # re-exported: the entry points' o
 from spotline.inputs import prepare_inputs as prepare_inputs
 from spotline.loop import EngineLog, StepDone, StepHooks, train_engine
 from spotline.loop import replica_mismatches as _replica_mismatches
-from spotline.plan.layout import pipeline_name
-from spotline.plan.logical import assign_logical_workers
+from spotline.plan.layout import Layout, pipeline_name
+from spotline.plan.logical import Assignment, assign_logical_workers
 from spotline.plan.sampler import GlobalSampler
 from spotline.protocol import EvalResult
 from spotline.redundancy import RedundantPipelineEngine
+from spotline.report import THROUGHPUT_EVERY_S, Timeline, summarize_recoveries
+from spotline.run_dir import LOGS_DIR
 from spotline.runtime import (
     configure_process,
     init_distributed,
@@ -44,6 +49,7 @@ from spotline.runtime import (
     peak_rss_mib,
     seed_everything,
 )
+from spotline.tee import tee_output
 from spotline.tracking import SUMMARY_NAME, Tracker, eval_fields, write_json_atomic
 
 
@@ -73,6 +79,26 @@ class WorkerIdentity:
     world_size: int
 
 
+def worker_id(rank: int) -> str:
+    """Rank ``rank``'s worker id: ``spotline train``'s ids (``w0``, ``w1``, ...), which name
+    its log (``logs/w0.log``) and its slot in the timeline and ``logical_placements``."""
+    return f"w{rank}"
+
+
+def fixed_layout(num_stages: int, num_pipelines: int) -> Layout:
+    """The one placement of a run without recovery: every rank runs the slot DeepSpeed's
+    topology gives it (rank = stage * pipelines + pipeline), one logical stage each."""
+    return Layout(
+        num_stages=num_stages,
+        num_pipelines=num_pipelines,
+        groups=tuple((s,) for s in range(num_stages)),
+        slots=tuple(
+            tuple(worker_id(s * num_pipelines + p) for s in range(num_stages))
+            for p in range(num_pipelines)
+        ),
+    )
+
+
 def gather_hf_parameters(engine: Any, hf_config: Any) -> dict[str, torch.Tensor] | None:
     """Collect every parameter of pipeline 0 on global rank 0, under Hugging Face names."""
     mine: dict[str, torch.Tensor] = {}
@@ -100,6 +126,8 @@ class Worker:
     sampler: GlobalSampler
     engine: RedundantPipelineEngine
     setup_s: float
+    layout: Layout  # where each rank runs (fixed: this path never re-places)
+    assignment: Assignment  # each physical pipeline's logical workers, by pipeline_name
 
     @property
     def hf_config(self) -> Any:
@@ -161,8 +189,11 @@ def export_final_model(engine: Any, hf_config: Any, output_dir: Path, cfg: RunCo
     return param_sha256(models.drop_tied_aliases(hf_params, hf_config))
 
 
-def setup_worker(cfg: RunConfig) -> Worker:
-    """Everything before the first step: process settings, process group, model, engine, data."""
+def setup_worker(cfg: RunConfig, *, logs: Path | None = None) -> Worker:
+    """Everything before the first step: process settings, process group, model, engine, data.
+
+    ``logs``: from the moment every rank has joined the process group, this rank's output
+    is copied into ``logs/<worker_id>.log`` as well (``spotline.tee``)."""
     import os
 
     quiet_libraries()
@@ -183,6 +214,11 @@ def setup_worker(cfg: RunConfig) -> Worker:
             f"{cfg.num_workers} workers; pass --workers {ident.world_size} or start {cfg.num_workers}"
         )
     init_distributed()
+    if logs is not None:
+        # Only once every rank is here: each has checked that the output directory holds no
+        # earlier run (launch/worker.py), a check that a log already written there would fail.
+        dist.barrier()
+        tee_output(logs / f"{worker_id(ident.rank)}.log")
     t_setup = time.perf_counter()
     module = models.build_pipeline_module(
         inputs.hf_config,
@@ -206,6 +242,15 @@ def setup_worker(cfg: RunConfig) -> Worker:
         num_micro_batches=cfg.num_micro_batches,
         seed=sl.training.seed,
     )
+    layout = fixed_layout(cfg.num_stages, cfg.num_physical_pipelines)
+    assert layout.slot_of(worker_id(ident.rank)) == (
+        engine.grid.data_parallel_id,
+        engine.grid.get_stage_id(),
+    ), "DeepSpeed's topology places ranks as fixed_layout says"
+    # Static placement (this launcher never rescales): logical workers spread evenly.
+    assignment = assign_logical_workers(
+        cfg.num_pipelines, {pipeline_name(p): 1.0 for p in range(cfg.num_physical_pipelines)}
+    )
     worker = Worker(
         cfg=cfg,
         ident=ident,
@@ -213,12 +258,10 @@ def setup_worker(cfg: RunConfig) -> Worker:
         sampler=sampler,
         engine=engine,
         setup_s=time.perf_counter() - t_setup,
+        layout=layout,
+        assignment=assignment,
     )
     engine.batch_source = worker.get_batch
-    # Static placement (this launcher never rescales): logical workers spread evenly.
-    assignment = assign_logical_workers(
-        cfg.num_pipelines, {pipeline_name(p): 1.0 for p in range(cfg.num_physical_pipelines)}
-    )
     engine.set_logical_workers(
         cfg.num_pipelines, assignment[pipeline_name(engine.grid.data_parallel_id)]
     )
@@ -248,9 +291,63 @@ class _TrackSteps(StepHooks):
             self.evaluator.run(self.engine, done.step + 1)
 
 
+class _RecordTimeline(StepHooks):
+    """The run's timeline (``spotline.report.Timeline``: the rows ``spotline train``'s
+    coordinator records, on a clock from ``t0``), which rank 0 writes: a ``start`` row, a
+    ``throughput`` row of samples/s every ``THROUGHPUT_EVERY_S`` and at the last step, and
+    an ``eval`` row per evaluation (rank 0's alone reports them). Every row has the one
+    placement: this path never re-places."""
+
+    def __init__(self, layout: Layout, *, t0: float, samples_per_step: int, last: int) -> None:
+        self.timeline = Timeline()
+        self.placement = {w: layout.describe(w) for w in layout.members}
+        self.t0 = t0
+        self.samples_per_step = samples_per_step
+        self.last = last  # the step count at which the run ends: its rate row always shows
+        self.mark = (0.0, 0)  # (time, steps done) of the last rate row, or of the start
+
+    def _record(
+        self,
+        event: str,
+        step: int,
+        rate: float | None,
+        detail: str,
+        eval_loss: float | None = None,
+    ) -> None:
+        now = time.monotonic() - self.t0
+        live = len(self.placement)
+        self.timeline.record(
+            now, event, step, live, self.placement, rate, detail, eval_loss=eval_loss
+        )
+
+    def start(self, step: int) -> None:
+        # spotline.launch.control.metrics.RunMetrics.event's detail for the same event.
+        self._record("start", step, None, f"workers:{len(self.placement)};step:{step}")
+        self.mark = (time.monotonic() - self.t0, step)
+
+    def after_step(self, done: StepDone) -> None:
+        now = time.monotonic() - self.t0
+        since, steps_then = self.mark
+        reached = done.step + 1
+        if now - since < THROUGHPUT_EVERY_S and reached < self.last:
+            return
+        samples = (reached - steps_then) * self.samples_per_step
+        self._record("throughput", reached, samples / max(now - since, 1e-9), "")
+        self.mark = (now, reached)
+
+    def evaluated(self, result: EvalResult) -> None:
+        self._record(
+            "eval", result.step, None, f"perplexity:{result.perplexity!r}", eval_loss=result.loss
+        )
+
+
 def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
-    """Train ``cfg`` in this process (one rank of the job); rank 0 returns the summary."""
-    worker = setup_worker(cfg)
+    """Train ``cfg`` in this process (one rank of the job); rank 0 returns the summary.
+
+    Writes what a run writes into ``output_dir``: this rank's log in ``logs/``; on rank 0
+    the summary, the timeline and the model (collectively, with every rank)."""
+    t0 = time.monotonic()
+    worker = setup_worker(cfg, logs=output_dir / LOGS_DIR)
     sl = cfg.spotline
     engine = worker.engine
     is_reporter = worker.ident.rank == 0
@@ -268,10 +365,14 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
     log = EngineLog()
     # Rank 0's evaluations so far (it alone reports them and decides the best).
     evaluations: dict[int, EvalResult] = {}
+    timeline = _RecordTimeline(
+        worker.layout, t0=t0, samples_per_step=cfg.samples_per_step, last=sl.training.steps
+    )
 
     def report(result: EvalResult) -> None:
         evaluations[result.step] = result
         tracker.log_eval(result)
+        timeline.evaluated(result)
 
     evaluator = None
     if worker.inputs.eval_set is not None:
@@ -283,6 +384,7 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             earlier=lambda: {step: r.loss for step, r in evaluations.items()},
             report=report,
         )
+    timeline.start(0)
     end = train_engine(
         engine,
         seed=sl.training.seed,
@@ -290,7 +392,8 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
         stop=sl.training.steps,
         log=log,
         verify_replicas=sl.redundancy.verify_replicas,
-        hooks=[_TrackSteps(tracker, log, engine, evaluator)],
+        # The timeline's rate row first: a step's throughput leaves its evaluation out.
+        hooks=[timeline, _TrackSteps(tracker, log, engine, evaluator)],
     )
     assert end.stopped_at is None  # no hook here stops the loop
     losses = list(log.losses.values())
@@ -325,6 +428,10 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "stages": cfg.num_stages,
             "pipelines": cfg.num_physical_pipelines,
             "logical_workers": cfg.num_pipelines,
+            # spotline train's keys: the one placement (generation 0) and no moves (only
+            # spotline train's workers move logical workers, as they measure their speeds).
+            "logical_placements": [worker.layout.logical_placement(0, worker.assignment)],
+            "logical_rebalances": [],
             "micro_batch_size": cfg.micro_batch_size,
             "micro_batches": cfg.num_micro_batches,
             "model": sl.model.name,
@@ -343,13 +450,19 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "replica_checks": log.replica_checks,
             "replica_mismatches": [m.to_json() for m in log.replica_mismatches],
             "preemptions": 0,
+            "hung_workers": 0,
             "recoveries": 0,
             "checkpoint_fallbacks": 0,
             "steps_redone": 0,
             "recovery_events": [],
+            # spotline train's recovery figures, from the same timeline rows (all zero here).
+            "recovery_summary": summarize_recoveries(timeline.timeline.rows),
             "data": worker.inputs.summary(),
             **eval_fields(evaluations),
         }
+        timeline.timeline.write(
+            output_dir, png=sl.tracking.timeline_png, title=f"spotline: {sl.model.name}"
+        )
         write_json_atomic(output_dir / SUMMARY_NAME, summary)
     tracker.finish(summary)
     dist.barrier()

@@ -52,6 +52,7 @@ from spotline.launch.bench.jobs import (
     run_spotline_train,
     write_config,
 )
+from spotline.launch.cli import counted
 
 WARMUP_STEPS = 2
 
@@ -151,12 +152,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     config = write_config(base, runs / "config.json")
     logical_flag = ["--logical-workers", str(logical)]
     topology = ["--workers", str(workers), "--stages", str(stages), *logical_flag]
-    kill_at = steps // 3
+    kill_at = steps // 3  # a step index (0-based); --inject names it kill_at + 1
 
     pipeline_step_s: dict[int, float] = {}
     steady: dict[str, Any] = {}
     for count in pipeline_counts:
-        progress(f"calibrate 1/5: steady, {stages} stages x {count} pipelines")
+        progress(
+            f"calibrate 1/5: steady, {counted(stages, 'stage')} x {counted(count, 'pipeline')}"
+        )
         run = run_spotline_train(
             config,
             runs / f"steady-{count}p",
@@ -181,7 +184,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     failover = run_spotline_train(
         config,
         runs / "failover",
-        [*topology, "--checkpoint-interval", "0", "--inject", f"kill:{kill_at}:{workers - 1}"],
+        [*topology, "--checkpoint-interval", "0", "--inject", f"kill:{kill_at + 1}:{workers - 1}"],
     )
     recoveries = [e["recovery_s"] for e in failover["recovery_events"]]
     if not recoveries:
@@ -198,9 +201,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "--checkpoint-interval",
             "0",
             "--inject",
-            "add:1",
+            "add:2",
             "--inject",
-            f"kill:{kill_at}:{workers - 1}",
+            f"kill:{kill_at + 1}:{workers - 1}",
         ],
     )
     if not spare["recovery_events"]:
@@ -209,7 +212,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
     progress("calibrate 5/5: arrivals, then a fatal loss")
     # Late enough that checkpoints were committed (the coordinator commits them as it polls).
-    fatal_at = 2 * steps // 3
+    fatal_at = 2 * steps // 3  # a step index (0-based), as kill_at
     interval = max(2, steps // 6)
     # This run alone keeps the default logical workers (W / S): with more, the W arrivals
     # would form pipelines of their own and the members' loss would be survived in memory.
@@ -219,9 +222,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         *["--checkpoint-interval", str(interval)],
     ]
     for _ in range(workers):
-        fatal_flags += ["--inject", "add:1"]
+        fatal_flags += ["--inject", "add:2"]
     for worker in range(workers):
-        fatal_flags += ["--inject", f"kill:{fatal_at}:{worker}"]
+        fatal_flags += ["--inject", f"kill:{fatal_at + 1}:{worker}"]
     fatal = run_spotline_train(config, runs / "fatal", fatal_flags)
     arrived = {e["worker"]: t for t, e in _event_times(fatal, "arrived")}
     joined = [

@@ -14,6 +14,7 @@ has a checkpoint and says how to resume; a second one stops at once (exit 130 ei
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import signal
@@ -25,6 +26,14 @@ from typing import TYPE_CHECKING, Any
 
 from spotline.errors import UserError
 from spotline.launch.flags import add_run_flags, overrides_from_args
+from spotline.run_dir import (
+    ETCD_JOB_NAME,
+    RESOLVED_NAME,
+    TOKEN_NAME,
+    finished_summary,
+    refuse_earlier_run,
+    refuse_finished_resume,
+)
 
 if TYPE_CHECKING:  # the coordinator imports the control plane: only when a run starts
     from spotline.launch.coordinator import Coordinator, Stopped
@@ -57,9 +66,6 @@ def resolve_config(args: argparse.Namespace) -> Any:
     return with_overrides(load_config(args.config), overrides_from_args(args))
 
 
-RESOLVED_NAME = "config.resolved.json"
-
-
 def check_output(output: Path) -> None:
     """``--output`` must be a directory or a path one can create: checked before any work."""
     if output.exists() and not output.is_dir():
@@ -89,6 +95,7 @@ def resume_config(args: argparse.Namespace) -> tuple[Any, Path]:
             f"--resume {output}: no {RESOLVED_NAME} there; pass the output directory of a "
             "stopped `spotline train` run"
         )
+    refuse_finished_resume(output)
     if args.output is not None and Path(args.output).resolve() != output.resolve():
         raise UserError(
             f"--resume {output} continues the run in {output}; drop --output {args.output} "
@@ -129,7 +136,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     try:
         listen = _parse_listen(args.listen) if getattr(args, "listen", None) else None
         cfg, output, resume_from, data, coordinator = _prepare_run(
-            args, head_start=listen is None and token_file is None
+            args, head_start=listen is None and token_file is None, listen=listen
         )
     except UserError as exc:
         return fail(str(exc))
@@ -159,6 +166,8 @@ def _make_coordinator(
     # A summary left by an earlier run in this directory must not pass for this run's.
     (output / SUMMARY_NAME).unlink(missing_ok=True)
     resolved = output / RESOLVED_NAME
+    # What this call adds to the directory, taken back if the coordinator cannot start.
+    created = [path for path in (resolved, output / TOKEN_NAME) if not path.exists()]
     write_json_atomic(resolved, cfg.to_json())
 
     from spotline.launch.coordinator import Coordinator, child_environment
@@ -168,15 +177,22 @@ def _make_coordinator(
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     env = child_environment()
     env["OMP_NUM_THREADS"] = str(cfg.spotline.determinism.intra_op_threads)
-    return Coordinator(
-        cfg,
-        resolved,
-        output,
-        env=env,
-        resume_from=resume_from,
-        listen=listen,
-        token_file=token_file,
-    )
+    try:
+        return Coordinator(
+            cfg,
+            resolved,
+            output,
+            env=env,
+            resume_from=resume_from,
+            listen=listen,
+            token_file=token_file,
+        )
+    except BaseException:
+        # A refused start (an etcd out of reach, an address taken since it was checked)
+        # leaves no config or token behind that would pass for a run's.
+        for path in created:
+            path.unlink(missing_ok=True)
+        raise
 
 
 def start_run(
@@ -211,11 +227,33 @@ def _parse_listen(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def check_listen(host: str, port: int) -> None:
+    """UserError unless this machine can listen on ``host:port`` (an address it has, a port
+    free), found by binding a socket there and closing it at once: checked before anything
+    is written, so a wrong ``--listen`` leaves nothing behind (the store binds it later)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As the store's listener does: a port left in TIME_WAIT by a run just ended is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise UserError(
+                f"--listen {host}:{port}: cannot listen there ({exc.strerror}); give an "
+                "address of this machine and a free port (0 lets the system choose)"
+            ) from None
+
+
 def _prepare_run(
-    args: argparse.Namespace, *, head_start: bool = False
+    args: argparse.Namespace,
+    *,
+    head_start: bool = False,
+    listen: tuple[str, int] | None = None,
 ) -> tuple[Any, Path, int | None, dict[str, Any], Coordinator | None]:
     """Everything checked before any worker starts: the config, the output directory, the
-    model and corpus, the recovery settings. Returns the config, the output directory
+    model and corpus, the recovery settings, ``listen`` (``spotline coordinator``'s address,
+    where its TCP store will listen). Returns the config, the output directory
     (created), the step a resume continues from (None: step 0), what the data turned into
     (summary.json's ``data``) and, with ``head_start``, the coordinator if it was started
     while the inputs were checked (else None: the caller makes it)."""
@@ -223,6 +261,8 @@ def _prepare_run(
         cfg, output = resume_config(args)
     else:
         cfg, output = _new_run_config(args)
+    if listen is not None and cfg.spotline.recovery.store == "tcp":
+        check_listen(*listen)
     # A one-line error before any worker starts for a missing model directory or a corpus
     # too small for a batch, checked in a child process: this one, the coordinator's,
     # never loads transformers or DeepSpeed. Its wall time (what a worker does before it
@@ -277,13 +317,26 @@ def _new_run_config(args: argparse.Namespace) -> tuple[Any, Path]:
     earlier run's checkpoints."""
     cfg = resolve_config(args)
     output = Path(args.output or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    check_new_output(cfg, output)
+    command = getattr(args, "command", None) or "train"
+    # A coordinator restarted with the same --output over etcd takes its predecessor's
+    # running job over (the job file says one did not end): the one reuse of a directory.
+    takeover = (
+        command == "coordinator"
+        and cfg.spotline.recovery.store == "etcd"
+        and (output / ETCD_JOB_NAME).is_file()
+    )
+    check_new_output(cfg, output, command=f"spotline {command}", takeover=takeover)
     return cfg, output
 
 
-def check_new_output(cfg: Any, output: Path) -> None:
-    """A new run's ``--output``: usable, and without an earlier run's checkpoints."""
+def check_new_output(
+    cfg: Any, output: Path, *, command: str = "spotline train", takeover: bool = False
+) -> None:
+    """A new run's ``--output``: usable, without an earlier run's checkpoints, and (unless
+    ``takeover``) without any earlier run's output (``command``: the one that resumes)."""
     check_output(output)
+    if not takeover and finished_summary(output) is not None:
+        refuse_earlier_run(output, resume=f"{command} --resume {output}")  # says: finished
     shared = cfg.spotline.checkpoints.dir
     root = cfg.checkpoint_root(output)
     if root.is_dir() and any(root.iterdir()):
@@ -297,8 +350,11 @@ def check_new_output(cfg: Any, output: Path) -> None:
             )
         raise UserError(
             f"--output {output} holds the checkpoints of an earlier run; continue it "
-            f"with `spotline train --resume {output}`, or pass another --output"
+            f"with `{command} --resume {output}`, or pass another --output"
         )
+    if not takeover:
+        # A finished run's summary, model and wandb run would be overwritten or taken over.
+        refuse_earlier_run(output, resume=f"{command} --resume {output}")
 
 
 def _resume_step(cfg: Any, output: Path) -> int | None:
@@ -341,7 +397,9 @@ def _supervise(coordinator: Coordinator, output: Path, data: dict[str, Any]) -> 
         summary = coordinator.run()
     except Stopped as stop:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the workers have exited already
-        # Before the store goes: what was committed goes to wandb, where --resume continues.
+        # Before the store goes: what was committed goes to wandb, where --resume continues,
+        # and the part's record (counters, events) to the output, which --resume goes on.
+        coordinator.save_record("stopped", stop.stopped_at)
         coordinator.log_stopped_to_wandb(stop.step or 0)
         coordinator.shutdown()
         print(f"spotline: {_stopped_message(stop, resume_hint)}", file=sys.stderr)
@@ -349,12 +407,14 @@ def _supervise(coordinator: Coordinator, output: Path, data: dict[str, Any]) -> 
     except KeyboardInterrupt:
         # A second Ctrl-C: stop at once (a third one must not interrupt the cleanup).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        coordinator.save_record("interrupted", coordinator.metrics.best_progress)
         coordinator.shutdown()
         step = coordinator.last_committed()
         since = "step 0" if step is None else f"step {step}"
         print(f"spotline: stopped at once; {resume_hint} (from {since})", file=sys.stderr)
         return 130
     except RuntimeError as exc:
+        coordinator.save_record("failed", coordinator.metrics.best_progress)
         coordinator.shutdown()
         print(f"spotline: error: {exc}; see {output}/logs", file=sys.stderr)
         return 1
@@ -370,6 +430,7 @@ def _supervise(coordinator: Coordinator, output: Path, data: dict[str, Any]) -> 
         return 1
     summary["data"] = data
     write_json_atomic(output / SUMMARY_NAME, summary)
+    coordinator.finished()
     coordinator.log_to_wandb(summary)
     print(format_summary(summary, output))
     return 0
@@ -451,19 +512,32 @@ def validate_recovery(cfg: Any, *, startup_s: float = 0.0) -> None:
         raise UserError(f"--preempt-rate {rec.preempt_rate}: expected a rate >= 0 per worker-hour")
 
 
+def counted(count: int, noun: str) -> str:
+    """``count`` and ``noun``, plural unless one: "1 pipeline", "4 stages"."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 def format_summary(s: dict[str, Any], output: Path) -> str:
+    """The run's summary on the console. Each count is ``summary.json``'s key of that name:
+    ``recoveries`` is every recovery from a loss, in memory or from a checkpoint (one per
+    ``recovery_events`` entry, ``recovery_summary.num_recoveries``), ``checkpoint_fallbacks``
+    those losses that went back to a checkpoint, ``hung_workers`` (shown when any) workers
+    killed as hung, which are losses but not preemptions."""
     first, last = s["losses"][0], s["final_loss"]
     loss = (
         f"loss {first:.4f} -> {last:.4f}" if first is not None and last is not None else "loss n/a"
     )
+    hung = s.get("hung_workers", 0)
     return "\n".join(
         [
-            f"spotline: trained {s['model']} for {s['steps']} steps on {s['workers']} workers "
-            f"({s['stages']} stages x {s['pipelines']} pipelines running {s['logical_workers']} "
-            f"logical, redundancy {s['redundancy']})",
+            f"spotline: trained {s['model']} for {counted(s['steps'], 'step')} on "
+            f"{counted(s['workers'], 'worker')} ({counted(s['stages'], 'stage')} x "
+            f"{counted(s['pipelines'], 'pipeline')} running {s['logical_workers']} logical, "
+            f"redundancy {s['redundancy']})",
             f"  {loss}   {s['samples_per_s']:.1f} samples/s   {s['wall_s']:.1f} s",
-            f"  preemptions {s['preemptions']}  recoveries {s['recoveries']}  "
-            f"checkpoint fallbacks {s['checkpoint_fallbacks']}  steps redone {s.get('steps_redone', 0)}",
+            f"  preemptions {s['preemptions']}  {f'hung workers {hung}  ' if hung else ''}"
+            f"recoveries {s['recoveries']}  checkpoint fallbacks {s['checkpoint_fallbacks']}  "
+            f"steps redone {s.get('steps_redone', 0)}",
             *recovery_lines(s),
             *eval_lines(s, output),
             f"  param_sha256 {s['param_sha256']}",
@@ -495,23 +569,48 @@ def recovery_lines(s: dict[str, Any]) -> list[str]:
     if not in_memory:
         return []
     times = ", ".join(f"{t:.2f} s" for t in in_memory)
-    takeovers = f"{len(in_memory)} takeover{'s' if len(in_memory) > 1 else ''}"
+    takeovers = counted(len(in_memory), "takeover")
     fallbacks = s.get("checkpoint_fallbacks", 0)
     if fallbacks:
         return [f"  {takeovers} in memory in {times}; {fallbacks} fallback(s) to a checkpoint"]
-    count = s["preemptions"]
-    if count:
-        what = f"{count} preemption{'s' if count > 1 else ''}"
-    else:
-        # Workers killed as hung (their heartbeat missed) are losses, not preemptions.
-        what = "the loss" if len(in_memory) == 1 else "the losses"
+    # What was lost, by the summary's counts: workers killed as hung are losses, not
+    # preemptions (and "the loss" alone read as the training loss).
+    lost = [
+        counted(count, noun)
+        for count, noun in (
+            (s["preemptions"], "preemption"),
+            (s.get("hung_workers", 0), "hung worker"),
+        )
+        if count
+    ]
+    what = " and ".join(lost) or counted(len(in_memory), "failure")
     if len(in_memory) == 1:
         return [f"  {what} survived in memory in {times} (no checkpoint read)"]
     return [f"  {what} survived in memory ({takeovers}: {times}; no checkpoint read)"]
 
 
+class _SpotlineLines(logging.Handler):
+    """A warning of Spotline's modules (a skipped incomplete checkpoint) as one
+    ``spotline: ...`` line on the stderr of the moment, as the command's own lines are:
+    without a handler Python prints the bare message."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(f"spotline: {record.getMessage()}", file=sys.stderr, flush=True)
+        except Exception:  # as logging's own handlers: a broken stderr never stops the run
+            self.handleError(record)
+
+
+def say_warnings() -> None:
+    """Route the ``spotline`` loggers' warnings through :class:`_SpotlineLines` (once)."""
+    logger = logging.getLogger("spotline")
+    if not any(isinstance(h, _SpotlineLines) for h in logger.handlers):
+        logger.addHandler(_SpotlineLines())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    say_warnings()
     parser = argparse.ArgumentParser(prog="spotline", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     build_train_parser(sub.add_parser("train", help="train on local worker processes"))

@@ -31,6 +31,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from spotline.auth import AuthStore, job_token
 from spotline.checkpoint_manifest import read_metadata
 from spotline.config import RunConfig
-from spotline.launch.control.checkpoints import EVALUATIONS, CheckpointCommits
+from spotline.launch.control.checkpoints import EVALUATIONS, RECORD, CheckpointCommits
 from spotline.launch.control.faults import FaultDelivery
 from spotline.launch.control.metrics import RunMetrics
 from spotline.launch.control.recovery import POLICIES, POLL_S, Planner
@@ -61,6 +62,8 @@ from spotline.protocol import (
     stop_checkpoint_key,
     stop_key,
 )
+from spotline.run_dir import ETCD_JOB_NAME, RECORD_NAME
+from spotline.tracking import write_json_atomic
 
 # How often the watch reads the workers' heartbeats (a tenth of the timeout when shorter).
 HEARTBEAT_CHECK_S = 0.25
@@ -231,6 +234,9 @@ class Coordinator:
                 result = EvalResult.from_json(raw)
                 self.metrics.evaluations[result.step] = result
                 self.store.set(eval_key(result.step), result.encode())
+            record = earlier_record(output, metadata.get(RECORD))
+            if record is not None:
+                self.metrics.continue_record(record, resume_step=resume_from)
         # No-progress watch (recovery.no_progress_timeout_s): the last progress seen, when a
         # step last committed, and the preemption and start counts at that moment.
         self.stall_progress = 0
@@ -941,6 +947,24 @@ class Coordinator:
                 self.local_agent.wait()
                 self.local_agent = None
 
+    def save_record(self, how: str, reached_step: int) -> None:
+        """This part ended without finishing (``how``: see RunPart) after ``reached_step``
+        steps: its record, which a ``--resume`` continues, in the output directory."""
+        record = self.metrics.record(reached_step=reached_step, how=how)
+        try:
+            write_json_atomic(self.output / RECORD_NAME, record)
+        except OSError as exc:  # a full disk must not hide why the part ended
+            print(
+                f"spotline: warning: the run's record was not saved ({exc}); a --resume "
+                "goes on from its checkpoint's record",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def finished(self) -> None:
+        """The run finished (its summary written): the parts' record is in it now."""
+        (self.output / RECORD_NAME).unlink(missing_ok=True)
+
     def log_to_wandb(self, summary: dict[str, Any]) -> None:
         """Per-step losses and the recovery events, to wandb (offline unless configured)."""
         self.metrics.log_to_wandb(summary, self.output)
@@ -950,13 +974,23 @@ class Coordinator:
         self.metrics.log_stopped_to_wandb(step, self.output)
 
 
-JOB_FILE = "job.json"  # the running job's store, for a restarted coordinator
+JOB_FILE = ETCD_JOB_NAME  # the running job's store, for a restarted coordinator
 
 
 def write_job_file(output: Path, spec: StoreSpec) -> None:
-    from spotline.tracking import write_json_atomic
-
     write_json_atomic(output / JOB_FILE, {"store": spec.to_arg()})
+
+
+def earlier_record(output: Path, committed: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The record a resume continues: the one the last part saved as it ended, or the one
+    committed with the checkpoint (``committed``) where that one has more parts (the last
+    part ended without saving one: a crash, a lost coordinator). None: neither (a run from
+    before records were kept)."""
+    path = output / RECORD_NAME
+    saved: dict[str, Any] | None = json.loads(path.read_text()) if path.is_file() else None
+    if committed is None or (saved is not None and len(saved["parts"]) >= len(committed["parts"])):
+        return saved
+    return dict(committed)
 
 
 def read_job_file(output: Path) -> StoreSpec | None:

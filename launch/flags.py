@@ -164,11 +164,15 @@ def add_recovery_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rescale",
         metavar="STEP:M[,STEP:M...]",
-        help="change the number of worker processes to M at each STEP (removals by SIGKILL)",
+        help="from step STEP on (counted from 1), train on M worker processes (removals by "
+        "SIGKILL)",
     )
     parser.add_argument(
         "--inject",
         action="append",
         metavar="SIGNAL:STEP:WORKER[:PHASE]|add:STEP",
-        help="deliver kill/term to a worker at a step (and phase), or add a worker; repeatable",
+        help="during step STEP (counted from 1: kill:10:... hits the step of 'step 10/N'), "
+        "SIGKILL (kill), SIGTERM (term, a preemption notice) or SIGSTOP (stop, a hang) local "
+        "worker WORKER (in PHASE: forward, backward, send, recv, optimizer, committed); or "
+        "add a worker that trains from step STEP on; repeatable",
     )

@@ -75,13 +75,11 @@ def _run(args: argparse.Namespace, script: str, script_args: list[str]) -> int:
         staged = build_config(
             job, staging / JOB_DIR, config_path=config_path, flags=flags, plain=False
         )
-        check_new_output(staged, output)
+        check_new_output(staged, output, command="spotline run")
         checked = check_inputs(staged)
         validate_recovery(staged, startup_s=checked.startup_s)
         output.mkdir(parents=True, exist_ok=True)
-        final = output / JOB_DIR
-        if final.exists():  # an earlier run's job without checkpoints (checked above)
-            shutil.rmtree(final)
+        final = output / JOB_DIR  # not there: check_new_output refuses an earlier run's
         shutil.move(str(staging / JOB_DIR), str(final))
         cfg = build_config(job, final, config_path=config_path, flags=flags, plain=False)
     except UserError as exc:

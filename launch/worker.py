@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from spotline.errors import UserError
+from spotline.run_dir import refuse_earlier_run
 
 
 def run(config_path: str | None, output: str, overrides: dict[str, object]) -> int:
@@ -21,6 +22,9 @@ def run(config_path: str | None, output: str, overrides: dict[str, object]) -> i
 
     rank = int(os.environ.get("RANK", "0"))
     try:
+        # Every rank checks before any writes: rank 0 writes only once the ranks have met
+        # (the engine's process group), after every rank passed this check.
+        refuse_earlier_run(Path(output), resume=None)
         cfg = with_overrides(load_config(config_path), overrides)
         from spotline.trainer import run_worker
 

@@ -95,6 +95,16 @@ def run_spotline(args: list[str], *, timeout: float = 240) -> subprocess.Complet
     )
 
 
+def file_stamps(output: Path) -> dict[str, tuple[int, int]]:
+    """Every file under ``output``: its size and modification time (a refused command must
+    leave them as they were)."""
+    return {
+        str(p.relative_to(output)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in output.rglob("*")
+        if p.is_file()
+    }
+
+
 def read_summary(output: Path) -> dict[str, Any]:
     return json.loads((output / "summary.json").read_text())
 

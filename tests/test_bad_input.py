@@ -167,3 +167,41 @@ def test_more_than_one_stage_of_a_model_of_no_family(tmp_path: Path) -> None:
     )
     _check(proc, out, "--stages 2", "opt", "--stages 1", "gpt2, gpt_neox, llama")
     assert not out.exists()
+
+
+# -- messages that name the flag at fault, and refusals that leave nothing ---------------------
+
+
+def test_a_missing_eval_file_is_named_as_eval_data_not_data(tmp_path: Path) -> None:
+    """The loader's message was --data's ("omit --data for the built-in corpus")."""
+    out = tmp_path / "out"
+    missing = tmp_path / "my-eval.jsonl"
+    proc = run_spotline(["train", "--eval-data", str(missing), "--output", str(out)])
+    _check(proc, out, f"--eval-data {missing} does not exist", "--eval-holdout")
+    (error,) = [line for line in proc.stderr.splitlines() if line.startswith("spotline: error:")]
+    assert "--data" not in error, error
+    assert not out.exists()
+
+
+def test_more_stages_than_blocks_and_indivisible_workers_are_said_at_once(
+    tmp_path: Path,
+) -> None:
+    """`--workers 4 --stages 8`: "use a multiple of 8 workers" alone led straight to the
+    next refusal ("--stages 8 is more than the model's 4 transformer blocks")."""
+    out = tmp_path / "out"
+    proc = run_spotline(["train", "--workers", "4", "--stages", "8", "--output", str(out)])
+    _check(proc, out, "--stages 8", "4 transformer blocks", "--workers 4", "--stages 4 --workers 4")
+    assert not out.exists()
+
+
+def test_a_coordinator_that_cannot_listen_writes_nothing(tmp_path: Path) -> None:
+    """An address this machine does not have (TEST-NET-1: binding fails locally, no packet
+    is sent): refused before the config and the job token are written."""
+    out = tmp_path / "out"
+    proc = run_spotline(
+        ["coordinator", "--listen", "192.0.2.1:29400", "--output", str(out)], timeout=60
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    # Neither config.resolved.json nor job-token (nor the directory) is left behind.
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
+    _check(proc, out, "--listen 192.0.2.1:29400", "cannot listen", "an address of this machine")

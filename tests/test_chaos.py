@@ -45,28 +45,32 @@ EXPECTED_FORM = "expected SIGNAL:STEP:WORKER[:PHASE] with SIGNAL kill, term or s
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("kill:3:1", Injection("kill", 3, 1, None)),
-        ("term:0:0", Injection("term", 0, 0, None)),
-        ("kill:12:2:backward", Injection("kill", 12, 2, "backward")),
-        ("term:5:1:optimizer", Injection("term", 5, 1, "optimizer")),
-        ("kill:5:1:recv", Injection("kill", 5, 1, "recv")),
-        ("stop:4:1", Injection("stop", 4, 1, None)),
-        ("stop:2:3:send", Injection("stop", 2, 3, "send")),
-        ("add:7", Injection("add", 7, None, None)),
-        ("  add:0 ", Injection("add", 0, None, None)),
+        # STEP counts from 1 (the progress lines' count); an Injection holds it 0-based.
+        ("kill:3:1", Injection("kill", 2, 1, None)),
+        ("term:1:0", Injection("term", 0, 0, None)),
+        ("kill:12:2:backward", Injection("kill", 11, 2, "backward")),
+        ("term:5:1:optimizer", Injection("term", 4, 1, "optimizer")),
+        ("kill:5:1:recv", Injection("kill", 4, 1, "recv")),
+        ("stop:4:1", Injection("stop", 3, 1, None)),
+        ("stop:2:3:send", Injection("stop", 1, 3, "send")),
+        ("add:7", Injection("add", 6, None, None)),
+        ("  add:1 ", Injection("add", 0, None, None)),
     ],
 )
 def test_parse_injection_accepts_the_documented_forms(text: str, expected: Injection) -> None:
     assert parse_injection(text) == expected
     assert parse_injection(str(expected)) == expected  # str() round-trips
+    assert str(expected) == text.strip()  # in the flag's count, from 1
 
 
 @pytest.mark.parametrize(
     ("text", "why"),
     [
-        ("kill:x:1", "STEP must be a non-negative integer"),
-        ("kill:-1:1", "STEP must be a non-negative integer"),
-        ("kill:+1:1", "STEP must be a non-negative integer"),
+        ("kill:x:1", "STEP must be a positive integer"),
+        ("kill:-1:1", "STEP must be a positive integer"),
+        ("kill:+1:1", "STEP must be a positive integer"),
+        ("kill:0:1", "there is no step 0: steps count from 1"),
+        ("add:0", "there is no step 0: steps count from 1"),
         ("kill:1:w", "WORKER must be a non-negative integer"),
         ("kill:1", "kill takes STEP:WORKER"),
         ("kill:1:2:forward:extra", "kill takes STEP:WORKER"),
@@ -77,7 +81,7 @@ def test_parse_injection_accepts_the_documented_forms(text: str, expected: Injec
         ("hang:1:2", "unknown SIGNAL 'hang'"),
         ("KILL:1:2", "unknown SIGNAL 'KILL'"),
         ("add:1:2", "add takes only a STEP"),
-        ("add:", "STEP must be a non-negative integer"),
+        ("add:", "STEP must be a positive integer"),
         ("", "unknown SIGNAL ''"),
     ],
 )
@@ -95,7 +99,7 @@ def test_the_brief_example_message_exactly() -> None:
     with pytest.raises(UserError) as caught:
         parse_injection("kill:x:1")
     assert str(caught.value) == (
-        "--inject 'kill:x:1': STEP must be a non-negative integer; " + EXPECTED_FORM
+        "--inject 'kill:x:1': STEP must be a positive integer; " + EXPECTED_FORM
     )
 
 
@@ -123,16 +127,17 @@ def test_parse_injections_sorts_by_step_and_rejects_duplicates() -> None:
 
 
 def test_check_injections_bounds_steps_and_workers() -> None:
-    injections = parse_injections(["kill:3:1", "add:9"])
-    check_injections(injections, num_workers=2, num_steps=10)
-    with pytest.raises(UserError, match="step 9 is past the run's last step 8"):
+    injections = parse_injections(["kill:3:1", "add:10"])
+    check_injections(injections, num_workers=2, num_steps=10)  # add:10, the last step
+    with pytest.raises(UserError, match="step 10 is past the run's last step 9; use a step from 1"):
         check_injections(injections, num_workers=2, num_steps=9)
     with pytest.raises(UserError, match=r"worker 1 does not exist; the run starts 1 workers"):
         check_injections(injections, num_workers=1, num_steps=10)
 
 
 def test_injections_at_matches_step_phase_and_worker_exactly() -> None:
-    injections = parse_injections(["kill:3:1", "kill:3:1:backward", "term:3:0", "add:3", "add:4"])
+    # The 4th and 5th steps: indices 3 and 4, as the engine and the coordinator ask.
+    injections = parse_injections(["kill:4:1", "kill:4:1:backward", "term:4:0", "add:4", "add:5"])
     assert injections_at(injections, 3, None, 1) == [Injection("kill", 3, 1, None)]
     assert injections_at(injections, 3, "backward", 1) == [Injection("kill", 3, 1, "backward")]
     assert injections_at(injections, 3, "forward", 1) == []
@@ -334,11 +339,13 @@ def test_rescales_parse_in_order_and_refuse_what_cannot_run() -> None:
     from spotline.plan.chaos import ScaleTo, check_rescales, parse_rescales
 
     assert parse_rescales(None) == () and parse_rescales(" ") == ()
-    assert parse_rescales("3:2, 6:3,9:1") == (ScaleTo(3, 2), ScaleTo(6, 3), ScaleTo(9, 1))
-    for bad in ("3", "3:2:1", "a:2", "3:-1", "3:2,3:1", "3:0"):
+    # From the 3rd, 6th and 9th steps on: after 2, 5 and 8 steps (the boundaries' indices).
+    assert parse_rescales("3:2, 6:3,9:1") == (ScaleTo(2, 2), ScaleTo(5, 3), ScaleTo(8, 1))
+    assert str(ScaleTo(2, 2)) == "3:2"
+    for bad in ("3", "3:2:1", "a:2", "3:-1", "3:2,3:1", "3:0", "0:2"):
         with pytest.raises(UserError):
             parse_rescales(bad)
-    check_rescales(parse_rescales("1:2"), num_steps=5, num_stages=2, max_workers=4)
-    for text in ("0:2", "5:2", "1:1", "1:5"):
+    check_rescales(parse_rescales("2:2,5:3"), num_steps=5, num_stages=2, max_workers=4)
+    for text in ("1:2", "6:2", "2:1", "2:5"):
         with pytest.raises(UserError):
             check_rescales(parse_rescales(text), num_steps=5, num_stages=2, max_workers=4)

@@ -155,6 +155,26 @@ def test_partial_checkpoint_without_manifest_is_ignored(tmp_path: Path) -> None:
     writer.close()
 
 
+def test_a_skipped_checkpoint_is_one_spotline_line_however_often_it_is_looked_up(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In the command's voice (``spotline: ...``, as its every line) and once: a run looks
+    for its newest checkpoint before it starts (``--resume``) and again at a fallback, and
+    printed a bare ``skipping checkpoint ...`` each time."""
+    from spotline.launch.cli import say_warnings
+
+    writer = CheckpointWriter(tmp_path, keep=3)
+    write_step(writer, 3)
+    writer.save_async(5, "s0", state_of(0))  # never committed: no manifest
+    writer.wait()
+    writer.close()
+    say_warnings()
+    assert latest_complete(tmp_path) == 3 and latest_complete(tmp_path) == 3
+    told = [line for line in capsys.readouterr().err.splitlines() if "skipping" in line]
+    assert len(told) == 1 and told[0].startswith("spotline: skipping checkpoint "), told
+    assert "step-00000005" in told[0]
+
+
 def test_pruning_keeps_the_newest_complete_checkpoints(tmp_path: Path) -> None:
     writer = CheckpointWriter(tmp_path, keep=2)
     write_step(writer, 1)

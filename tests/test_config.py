@@ -48,6 +48,13 @@ def test_default_file_equals_builtin_default() -> None:
             {"spotline": {"topology": {"workers": 3, "stages": 2}}},
             "--workers 3 is not divisible by --stages 2",
         ),
+        # Both mistakes at once: "a multiple of 8 workers" alone led to the next refusal.
+        (
+            {"spotline": {"topology": {"workers": 4, "stages": 8}}},
+            "--stages 8 is more than the model's 4 transformer blocks, and --workers 4 is not "
+            "a multiple of it; use at most 4 stages and a multiple of that many workers "
+            "(e.g. --stages 4 --workers 4)",
+        ),
         (
             {"spotline": {"topology": {"workers": 4, "start_workers": 5}}},
             "--start-workers 5 is more than --workers 4",

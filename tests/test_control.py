@@ -20,6 +20,7 @@ from spotline.launch.control.recovery import POLICIES, Planner
 from spotline.plan.layout import WorkerReport, initial_layout, member_holdings
 from spotline.plan.placement import exposures
 from spotline.protocol import Plan, entry_key, plan_key
+from spotline.report import summarize_recoveries
 
 
 class DictStore:
@@ -190,6 +191,10 @@ def test_a_fatal_loss_without_a_checkpoint_starts_over(tmp_path: Path) -> None:
     kinds = [e.kind for e in metrics.events]
     assert kinds[-3:] == ["fatal-loss", "restart-from-scratch", "recovered"]
     assert [e["in_memory"] for e in metrics.recovery_events] == [False]
+    # A fallback is a recovery too: the run's count, its recovery_events and the timeline's
+    # recovery_summary are one number (the count left fallbacks out: 2 against 3).
+    assert metrics.recoveries == 1 == len(metrics.recovery_events)
+    assert summarize_recoveries(metrics.timeline.rows)["num_recoveries"] == 1
 
 
 def test_the_coordinator_commits_the_workers_files_and_finds_the_checkpoint(
@@ -226,7 +231,13 @@ def test_the_coordinator_commits_the_workers_files_and_finds_the_checkpoint(
         (directory / f"{label}.meta.json").write_text(json.dumps(meta))
     checkpoints.commit(last=2)
     assert checkpoints.committed == {2} and checkpoints.latest() == 2
-    assert read_metadata(checkpoints.root, 2) == {
+    metadata = read_metadata(checkpoints.root, 2)
+    # The run's record as of the commit: what a resume after a crash goes on from.
+    record = metadata.pop("record")
+    assert [(p["from_step"], p["reached_step"], p["how"]) for p in record["parts"]] == [
+        (0, 2, "running")
+    ]
+    assert metadata == {
         "losses": {"0": 2.5, "1": 2.25},
         "learning_rates": {"0": 0.001, "1": 0.002},
     }

@@ -85,7 +85,7 @@ def test_six_logical_workers_on_four_processes_equal_one(spotline_train) -> None
 def test_rescaled_four_two_three_one_equals_the_static_run(
     spotline_train, four_logical_on_four
 ) -> None:
-    summary = train(spotline_train, 4, 4, "--stages", "1", "--rescale", "1:2,3:3,5:1")
+    summary = train(spotline_train, 4, 4, "--stages", "1", "--rescale", "2:2,4:3,6:1")
     same_run(summary, four_logical_on_four)
     # The run really went 4 -> 2 -> 3 -> 1 processes, in place: SIGKILLs, an arrival, no
     # checkpoint (none is written), no restart.
@@ -105,7 +105,7 @@ def test_a_killed_process_replaced_by_a_new_one_equals_the_static_run(
     spotline_train, four_logical_on_four
 ) -> None:
     summary = train(
-        spotline_train, 4, 4, "--stages", "1", "--inject", "kill:2:1", "--inject", "add:4"
+        spotline_train, 4, 4, "--stages", "1", "--inject", "kill:3:1", "--inject", "add:5"
     )
     same_run(summary, four_logical_on_four)
     assert summary["preemptions"] == 1 and summary["checkpoint_fallbacks"] == 0
@@ -156,9 +156,9 @@ def test_a_fatal_loss_restored_from_a_checkpoint_on_fewer_processes_continues_bi
         "--checkpoint-interval",
         "2",
         "--inject",
-        "kill:3:0",
+        "kill:4:0",
         "--inject",
-        "kill:3:1",
+        "kill:4:1",
     )
     assert summary["checkpoint_fallbacks"] == 1
     assert placement(summary, summary["generations"] - 1) == [[0, 1]]
@@ -171,7 +171,7 @@ def test_a_restart_of_every_process_from_a_checkpoint_continues_bitwise(
     # The checkpoint-restart policy: a SIGKILL restarts every process from the last
     # checkpoint (parameters and optimizer state by logical stage, and the step). Nothing
     # else of a logical worker is saved: its samples and seeds follow from the step.
-    flags = "--stages 1 --recovery checkpoint-restart --checkpoint-interval 2 --inject kill:3:1"
+    flags = "--stages 1 --recovery checkpoint-restart --checkpoint-interval 2 --inject kill:4:1"
     summary = train(spotline_train, 2, 4, *flags.split())
     assert summary["checkpoint_fallbacks"] == 1 and summary["steps_redone"] >= 1
     same_run(summary, four_logical_on_four)
@@ -233,7 +233,7 @@ def test_an_error_in_the_training_itself_stops_the_run_instead_of_retrying(tmp_p
 
 def test_a_causal_lm_of_no_family_trains_whole_and_survives_a_kill(spotline_train, tmp_path):
     """An OPT (no family: one whole-model layer, one stage) with dropout on: two processes,
-    one killed at step 2, against one process hosting both logical workers undisturbed."""
+    one killed in step 3, against one process hosting both logical workers undisturbed."""
     import transformers
     from conftest import write_tiny_opt
 
@@ -242,7 +242,7 @@ def test_a_causal_lm_of_no_family_trains_whole_and_survives_a_kill(spotline_trai
     model = write_tiny_opt(tmp_path / "opt", dropout=0.1)
     config = small_config(model={"name": model}, training={"steps": 4})
     flags = ("--logical-workers", "2", "--stages", "1")
-    killed = spotline_train(config, "--workers", "2", *flags, "--inject", "kill:2:1", name="k")
+    killed = spotline_train(config, "--workers", "2", *flags, "--inject", "kill:3:1", name="k")
     alone = spotline_train(config, "--workers", "1", *flags, name="alone")
     same_run(killed, alone)
     assert killed["preemptions"] == 1 and killed["checkpoint_fallbacks"] == 0

@@ -380,7 +380,7 @@ EVAL_TEXT = (
 @pytest.mark.timeout(600)
 def test_evaluation_is_exact_through_a_kill_and_the_best_model_loads(tmp_path: Path) -> None:
     """4 workers x 2 stages, evaluated every 2 steps on a file, worker 1 SIGKILLed in step
-    3 (between the evaluations of steps 2 and 4; the next generation runs one pipeline).
+    4 (between the evaluations after steps 2 and 4; the next generation runs one pipeline).
     Every evaluation, loss and the parameter hash equal the single-process reference's
     bit for bit; evaluating did not change training (the reference without evaluation
     ends with the same hash); the best model and its tokenizer load with transformers and
@@ -394,7 +394,7 @@ def test_evaluation_is_exact_through_a_kill_and_the_best_model_loads(tmp_path: P
     out = tmp_path / "run"
     proc = run_spotline(
         ["train", "--config", str(write_config(tmp_path / "c.json", config))]
-        + ["--workers", "4", "--stages", "2", "--inject", "kill:3:1:forward", "--output", str(out)]
+        + ["--workers", "4", "--stages", "2", "--inject", "kill:4:1:forward", "--output", str(out)]
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     summary = read_summary(out)

@@ -3,14 +3,17 @@ run, its bad inputs, and the wandb run a resume continues."""
 
 from __future__ import annotations
 
+import csv
 import json
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import NO_DROPOUT, REPO, child_env, run_spotline
+from conftest import NO_DROPOUT, REPO, child_env, file_stamps, run_spotline
 
 SCRIPT = "launch/examples/finetune_clm.py"
 TINY = "integration/assets/instructions/tiny.jsonl"
@@ -37,7 +40,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                 "spotline": {
                     "elasticity": {"logical_workers": 2},
                     "determinism": {"enabled": True},
-                    "tracking": {"wandb": "offline", "progress": False},
+                    # No timeline.png, as in conftest.small_config: a plot costs a second.
+                    "tracking": {"wandb": "offline", "progress": False, "timeline_png": False},
                 }
             }
         )
@@ -72,7 +76,7 @@ def test_spotline_run_survives_a_kill_with_the_plain_runs_bits(
     job: dict[str, Path], tmp_path: Path
 ) -> None:
     """The example under plain python (one process) and under ``spotline run`` on 4 workers
-    (2 stages x 2 pipelines) with worker 1 SIGKILLed at step 3: the same losses and hash,
+    (2 stages x 2 pipelines) with worker 1 SIGKILLed in step 4: the same losses and hash,
     the evaluation loss falls, and the run's wandb records are one run."""
     plain = subprocess.run(
         [sys.executable, SCRIPT, *script_args(job, tmp_path / "plain")],
@@ -85,9 +89,27 @@ def test_spotline_run_survives_a_kill_with_the_plain_runs_bits(
     assert plain.returncode == 0, plain.stderr[-3000:]
     plain_hash = summary_of(tmp_path / "plain")["param_sha256"]
     assert f"finetune_clm: trained, param_sha256 {plain_hash}" in plain.stdout
+    # The plain run writes what every run writes: its one placement (one worker running
+    # both logical workers), no rebalances, the timeline's rows (no plot: timeline_png is
+    # false here) and its output, from train() on, in its log as on the console.
+    plain_summary = summary_of(tmp_path / "plain")
+    assert plain_summary["logical_placements"] == [
+        {"generation": 0, "pipelines": [{"workers": ["w0"], "logical_workers": [0, 1]}]}
+    ]
+    assert plain_summary["logical_rebalances"] == []
+    rows = list(csv.DictReader((tmp_path / "plain" / "timeline.csv").open()))
+    assert rows[0]["event"] == "start" and rows[-1]["event"] in ("throughput", "eval")
+    assert {r["placement"] for r in rows} == {"w0=p0:s0"}
+    assert max(int(r["step"]) for r in rows if r["event"] == "throughput") == 6
+    evals = [(int(r["step"]), float(r["eval_loss"])) for r in rows if r["event"] == "eval"]
+    assert evals == [(e["step"], e["loss"]) for e in plain_summary["eval"]]
+    assert not (tmp_path / "plain" / "timeline.png").exists()
+    assert sorted(p.name for p in (tmp_path / "plain" / "logs").iterdir()) == ["w0.log"]
+    plain_log = (tmp_path / "plain" / "logs" / "w0.log").read_text()
+    assert f"finetune_clm: trained, param_sha256 {plain_hash}" in plain_log
     out = tmp_path / "run"
     run = run_spotline(
-        ["run", "--workers", "4", "--stages", "2", "--inject", "kill:3:1:backward", "--output", str(out),
+        ["run", "--workers", "4", "--stages", "2", "--inject", "kill:4:1:backward", "--output", str(out),
          SCRIPT, *script_args(job, tmp_path / "unused")]
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -98,6 +120,12 @@ def test_spotline_run_survives_a_kill_with_the_plain_runs_bits(
     assert disturbed["eval"] == undisturbed["eval"]
     assert disturbed["eval"][-1]["loss"] < disturbed["eval"][0]["loss"]
     assert not (tmp_path / "unused").exists()  # --output decides where the run goes
+    # The plain run's placements and timeline have spotline run's shape.
+    first = disturbed["logical_placements"][0]
+    assert sorted(first) == sorted(plain_summary["logical_placements"][0])
+    assert sorted(first["pipelines"][0]) == ["logical_workers", "workers"]
+    header = (out / "timeline.csv").read_text().splitlines()[0]
+    assert header == (tmp_path / "plain" / "timeline.csv").read_text().splitlines()[0]
     # The script ran in every worker, on past train() in each one the job kept to its end.
     logs = {log.stem: log.read_text() for log in (out / "logs").glob("w*.log")}
     finished = sorted(w for w, text in logs.items() if "finetune_clm: trained" in text)
@@ -105,6 +133,27 @@ def test_spotline_run_survives_a_kill_with_the_plain_runs_bits(
     run_id = json.loads((out / "wandb-run.json").read_text())["id"]
     runs = list((out / "wandb").glob("offline-run-*"))
     assert runs and all(r.name.split("-")[3] == run_id for r in runs)
+
+    # Each finished run's directory is its record: the same commands again, and a resume,
+    # are refused in one line before anything is written, and nothing in them changes.
+    before = {d: file_stamps(d) for d in (tmp_path / "plain", out)}
+    again = subprocess.run(
+        [sys.executable, SCRIPT, *script_args(job, tmp_path / "plain")],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert one_error_line(again.stderr).startswith(
+        f"spotline: error: --output_dir {tmp_path / 'plain'} holds a finished run"
+    )
+    rerun = run_spotline(["run", "--output", str(out), SCRIPT, *script_args(job, out)])
+    assert rerun.returncode == 2, rerun.stderr[-3000:]
+    error = one_error_line(rerun.stderr)
+    assert error.startswith(f"spotline: error: --output {out} holds a finished run"), error
+    resumed = run_spotline(["run", "--resume", str(out)])
+    assert resumed.returncode == 2, resumed.stderr[-3000:]
+    error = one_error_line(resumed.stderr)
+    assert error.startswith(f"spotline: error: --resume {out}: that run finished"), error
+    assert {d: file_stamps(d) for d in before} == before
 
 
 def test_wandb_run_is_resumed_not_duplicated(tmp_path: Path, monkeypatch: Any) -> None:
@@ -217,3 +266,205 @@ def test_a_data_collator_pads_rows_and_its_padding_learns_nothing() -> None:
     pad = tokenizer.pad_token_id
     assert ids.tolist() == [[5, 6, 7, 8], [9, 10, pad, pad], [11, 12, 13, pad]]
     assert labels.tolist() == [[5, 6, 7, 8], [9, 10, -100, -100], [11, 12, 13, -100]]
+
+
+UNAVAILABLE = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+
+
+class UnavailableHub:
+    """A local "hub" that answers every request "503 Service Unavailable" and hangs up,
+    keeping each request's first line: a request there fails, nothing leaves this machine,
+    and the lines say what the client asked (``from_pretrained`` asks for one file after
+    another, and retries an unreachable hub for most of a minute: 12 requests here)."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.server.settimeout(0.2)
+        self.port = int(self.server.getsockname()[1])
+        self.requests: list[str] = []
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.done.is_set():
+            try:
+                connection, _ = self.server.accept()
+            except TimeoutError:
+                continue
+            with connection:
+                connection.settimeout(5)
+                request = connection.recv(65536)
+                if request:  # one request: its first bytes hold its first line
+                    self.requests.append(request.split(b"\r\n", 1)[0].decode(errors="replace"))
+                    connection.sendall(UNAVAILABLE)
+
+    def close(self) -> list[str]:
+        """Stop serving; the first line of every request it answered."""
+        self.done.set()
+        self.thread.join()
+        self.server.close()
+        return self.requests
+
+
+def without(args: list[str], flag: str) -> list[str]:
+    at = args.index(flag)
+    return args[:at] + args[at + 2 :]
+
+
+def plain_mistakes(
+    args: list[str], scratch: Path, hub_port: int
+) -> dict[str, tuple[list[str], dict[str, str], tuple[str, ...]]]:
+    """A plain run's mistakes: the arguments, the environment, what the one line names."""
+    online = {  # at a local port that answers 503: never the real hub
+        "HF_HUB_OFFLINE": "0",
+        "TRANSFORMERS_OFFLINE": "0",
+        "HF_ENDPOINT": f"http://127.0.0.1:{hub_port}",
+    }
+    name = ["--model_name_or_path"]
+    return {
+        "epochs": (
+            [*without(args, "--max_steps"), "--num_train_epochs", "1"],
+            {},
+            ("max_steps is not set", "--max_steps"),
+        ),
+        "fp16": ([*args, "--fp16"], {}, ("fp16", "drop --fp16")),
+        "missing train file": (
+            [*args, "--train_file", str(scratch / "nope.jsonl")],
+            {},
+            ("--train_file", "nope.jsonl", "no such file"),
+        ),
+        "missing model directory": (
+            [*args, *name, str(scratch / "my-model")],
+            {},
+            ("--model_name_or_path", "my-model", "no such local directory", "save_pretrained"),
+        ),
+        "hub name offline": (
+            [*args, *name, "my-model"],
+            {},
+            ("'my-model'", "no such local directory", "HF_HUB_OFFLINE"),
+        ),
+        "hub name unreachable": (
+            [*args, *name, "my-model"],
+            online,
+            ("'my-model'", "neither a local directory nor reachable on the hub", "127.0.0.1"),
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "mistake",
+    [
+        "epochs",
+        "fp16",
+        "missing train file",
+        "missing model directory",
+        "hub name offline",
+        "hub name unreachable",
+    ],
+)
+def test_a_plain_runs_mistake_is_one_line_at_once(
+    job: dict[str, Path], tmp_path: Path, mistake: str
+) -> None:
+    """Under plain python as under spotline run: a user's mistake is one line on stderr, exit
+    2, no traceback, at once (one request to an unreachable hub, not a minute of retries),
+    nothing in the output."""
+    out = tmp_path / "out"
+    hub_server = UnavailableHub()
+    try:
+        args, env, names = plain_mistakes(script_args(job, out), tmp_path, hub_server.port)[mistake]
+        # Offline unless the case says otherwise, with an empty hub cache of its own.
+        hub = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf-home"), **env}
+        proc = subprocess.run(
+            [sys.executable, SCRIPT, *args],
+            cwd=REPO,
+            env={**child_env(), **hub},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        requests = hub_server.close()
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("spotline: error: ") and "Traceback" not in proc.stderr
+    assert all(n in lines[0] for n in names), lines[0]
+    assert not out.exists()
+    # Offline nothing is asked of the hub; online, about the model once.
+    about = [line for line in requests if "my-model" in line]
+    assert len(about) == (1 if mistake == "hub name unreachable" else 0), requests
+
+
+def test_a_mistake_found_once_the_job_is_written_leaves_nothing(
+    job: dict[str, Path], tmp_path: Path
+) -> None:
+    """A plain run's mistake found after its Trainer wrote the job (a Spotline config that
+    contradicts the arguments) removes the job: the output holds what it held (else the job
+    would be an earlier run's to the next try)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    config = tmp_path / "contradicts.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 99}))
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, *script_args(job, out), "--spotline_config", str(config)],
+        cwd=REPO,
+        env={**child_env(), "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("spotline: error: train_micro_batch_size_per_gpu is 99"), last
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_only_a_user_error_loses_its_traceback() -> None:
+    """spotline.hf's excepthook leaves every other uncaught exception to the usual one."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import spotline.hf\nraise RuntimeError('a bug')"],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1 and "Traceback" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().endswith("RuntimeError: a bug")
+
+
+def test_pretrained_source_names_the_cause_without_the_network(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, job: dict[str, Path]
+) -> None:
+    """A local directory is itself; a name only a path can be is refused without the hub; a
+    hub id in the hub cache is loaded from it (offline too), else refused when offline."""
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    from spotline.errors import UserError
+    from spotline.hf import pretrained_source
+
+    def no_network(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("pretrained_source asked the hub")
+
+    monkeypatch.setattr(huggingface_hub, "model_info", no_network)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    assert pretrained_source(str(job["model"])) == str(job["model"])
+    for path in ("./my-model", "../my-model", "~/no-such-model", str(tmp_path / "my-model")):
+        with pytest.raises(UserError, match="no such local directory"):
+            pretrained_source(path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(UserError, match="no config.json"):
+        pretrained_source(str(tmp_path / "empty"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError, match="HF_HUB_OFFLINE is set"):
+        pretrained_source("someone/my-model")
+    # The hub cache's layout: a snapshot that refs/main names.
+    cached = tmp_path / "hub" / "models--someone--my-model"
+    (cached / "snapshots" / "abc").mkdir(parents=True)
+    (cached / "snapshots" / "abc" / "config.json").write_text("{}")
+    (cached / "refs").mkdir()
+    (cached / "refs" / "main").write_text("abc")
+    assert pretrained_source("someone/my-model") == "someone/my-model"

@@ -147,14 +147,14 @@ def test_kills_before_during_and_after_warmup_keep_the_schedule(
     disturbed = spotline_train(
         scheduled_config(name),
         *TOPOLOGIES["1x4"],
-        # Step 0: nothing committed yet; step 2: mid warm-up (mid first cycle for OneCycle);
-        # step 6: after it. The last one in the optimizer phase: a roll-forward.
+        # Step 1: nothing committed yet; step 3: mid warm-up (mid first cycle for OneCycle);
+        # step 7: after it. The last one in the optimizer phase: a roll-forward.
         "--inject",
-        "kill:0:1:backward",
+        "kill:1:1:backward",
         "--inject",
-        "kill:2:2:forward",
+        "kill:3:2:forward",
         "--inject",
-        "kill:6:3:optimizer",
+        "kill:7:3:optimizer",
     )
     assert reference["learning_rates"] == [h["lr"] for h in sequential_hyper(name, STEPS)]
     assert disturbed["recoveries"] == 3 and disturbed["checkpoint_fallbacks"] == 0
@@ -175,9 +175,9 @@ def test_a_checkpoint_restore_keeps_the_schedule(spotline_train, undisturbed) ->
         "--checkpoint-interval",
         "2",
         "--inject",
-        "kill:5:1",
+        "kill:6:1",
         "--inject",
-        "kill:5:2",
+        "kill:6:2",
     )
     fallback = [e for e in restored["events"] if e["kind"] == "checkpoint-fallback"]
     assert restored["checkpoint_fallbacks"] == 1 and fallback[0]["step"] == 4
@@ -189,7 +189,7 @@ def test_a_checkpoint_restore_keeps_the_schedule(spotline_train, undisturbed) ->
 def test_in_place_rescales_keep_the_schedule(spotline_train, undisturbed) -> None:
     """2 stages x 2 logical pipelines on 4 -> 2 -> 4 processes (new engines, state sent)."""
     rescaled = spotline_train(
-        scheduled_config("OneCycle"), *TOPOLOGIES["2x2"], "--rescale", "3:2,6:4"
+        scheduled_config("OneCycle"), *TOPOLOGIES["2x2"], "--rescale", "4:2,7:4"
     )
     assert rescaled["preemptions"] == 2 and rescaled["generations"] >= 3
     same_run(rescaled, undisturbed("OneCycle", "2x2"))

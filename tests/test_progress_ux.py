@@ -6,6 +6,7 @@ coordinator's SIGKILL is a second real run; the rest is pure logic."""
 
 from __future__ import annotations
 
+import csv
 import json
 import socket
 import subprocess
@@ -13,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, child_env, run_spotline, small_config, write_config
+from conftest import REPO, child_env, file_stamps, run_spotline, small_config, write_config
 
 from spotline.config import parse_config
 
@@ -41,12 +42,80 @@ def test_recovery_lines_say_what_happened_and_nothing_more() -> None:
     assert recovery_lines(mixed) == [
         "  1 takeover in memory in 0.70 s; 1 fallback(s) to a checkpoint"
     ]
-    # A worker killed as hung (its heartbeat missed) is a loss survived, not a preemption.
-    hung = {**one, "preemptions": 0, "recovery_events": [event]}
-    assert recovery_lines(hung) == ["  the loss survived in memory in 0.70 s (no checkpoint read)"]
+    # A worker killed as hung (its heartbeat missed) is a loss survived, not a preemption:
+    # said as one, by the summary's count ("the loss" alone read as the training loss).
+    hung = {**one, "preemptions": 0, "hung_workers": 1, "recovery_events": [event]}
+    assert recovery_lines(hung) == [
+        "  1 hung worker survived in memory in 0.70 s (no checkpoint read)"
+    ]
+    both = {**two, "hung_workers": 1, "preemptions": 1}
+    assert recovery_lines(both) == [
+        "  1 preemption and 1 hung worker survived in memory (2 takeovers: 0.70 s, 0.80 s; "
+        "no checkpoint read)"
+    ]
     # Nothing survived in memory (no preemption, or only checkpoint restores): no line.
     assert recovery_lines({**one, "preemptions": 0, "recovery_events": []}) == []
     assert recovery_lines({**one, "recovery_events": [restored]}) == []
+
+
+COUNT_KEYS = {
+    "preemptions": "preemptions",
+    "hung workers": "hung_workers",
+    "recoveries": "recoveries",
+    "checkpoint fallbacks": "checkpoint_fallbacks",
+    "steps redone": "steps_redone",
+}
+
+
+def console_counts(stdout: str) -> dict[str, int]:
+    """The counts of the console summary's count line, by their summary.json keys."""
+    (line,) = [line for line in stdout.splitlines() if line.startswith("  preemptions ")]
+    fields = [field.strip() for field in line.split("  ") if field.strip()]
+    counts = {}
+    for field in fields:
+        name, _, value = field.rpartition(" ")
+        counts[COUNT_KEYS[name]] = int(value)
+    return counts
+
+
+def test_the_console_summary_says_summary_json_s_counts_in_plain_words() -> None:
+    """Each count the console shows is summary.json's of that name (a hung worker's run said
+    "preemptions 0  recoveries 1" and nothing of the hang), and the header counts in words
+    ("4 stages x 1 pipelines", "1 stages x 2 pipelines")."""
+    from spotline.launch.cli import format_summary
+
+    event = {"generation": 1, "resume_step": 3, "recovery_s": 0.7, "in_memory": True}
+    summary = {
+        "model": "gpt2-tiny",
+        "steps": 20,
+        "workers": 4,
+        "stages": 4,
+        "pipelines": 1,
+        "logical_workers": 1,
+        "redundancy": "lazy",
+        "losses": [5.0],
+        "final_loss": 4.0,
+        "samples_per_s": 10.0,
+        "wall_s": 3.0,
+        "preemptions": 1,
+        "hung_workers": 1,
+        "recoveries": 3,
+        "checkpoint_fallbacks": 1,
+        "steps_redone": 2,
+        "recovery_events": [event, event, {**event, "in_memory": False}],
+        "param_sha256": "ab",
+    }
+    text = format_summary(summary, Path("runs/x"))
+    assert "for 20 steps on 4 workers (4 stages x 1 pipeline running 1 logical," in text
+    counts = console_counts(text)
+    assert counts == {key: summary[key] for key in COUNT_KEYS.values()}
+    small = {**summary, "steps": 1, "workers": 2, "stages": 1, "pipelines": 2, "hung_workers": 0}
+    text = format_summary(small, Path("runs/x"))
+    assert "for 1 step on 2 workers (1 stage x 2 pipelines running" in text
+    assert "hung workers" not in text  # shown when there were any
+    assert console_counts(text) == {
+        key: small[key] for key in COUNT_KEYS.values() if key != "hung_workers"
+    }
 
 
 def _short_lived_trace(path: Path) -> Path:
@@ -152,7 +221,7 @@ def test_a_killed_last_worker_without_a_trace_is_not_blamed_on_one(tmp_path: Pat
     cfg = write_config(tmp_path / "c.json", small_config())
     proc = run_spotline(
         ["train", "--config", str(cfg), "--workers", "1", "--stages", "1"]
-        + ["--inject", "kill:1:0", "--output", str(out)]
+        + ["--inject", "kill:2:0", "--output", str(out)]
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     (error,) = [line for line in proc.stderr.splitlines() if line.startswith("spotline: error:")]
@@ -166,7 +235,7 @@ def test_the_default_job_survives_a_kill_in_memory_and_says_so(tmp_path: Path) -
     the takeover is in memory, the summary says so, each progress line appears once."""
     out = tmp_path / "out"
     proc = run_spotline(
-        ["train", "--steps", "10", "--inject", "kill:4:2:forward", "--output", str(out)]
+        ["train", "--steps", "10", "--inject", "kill:5:2:forward", "--output", str(out)]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -176,6 +245,17 @@ def test_the_default_job_survives_a_kill_in_memory_and_says_so(tmp_path: Path) -
     assert event["in_memory"] is True
     assert "  1 preemption survived in memory in " in proc.stdout
     assert "(no checkpoint read)" in proc.stdout
+    # The console's counts are summary.json's, and recoveries is one number throughout.
+    counts = console_counts(proc.stdout)
+    assert counts == {key: summary[key] for key in counts}, (counts, proc.stdout)
+    assert summary["recovery_summary"]["num_recoveries"] == summary["recoveries"]
+    # kill:5 hits step 5 as the progress lines count it: the run resumes after 4 steps, and
+    # the line "step 5/10" comes only after the kill.
+    assert event["resume_step"] == 4
+    lines = proc.stderr.splitlines()
+    killed = next(i for i, line in enumerate(lines) if "] preempted {" in line)
+    fifth = next(i for i, line in enumerate(lines) if line.startswith("spotline: step 5/10 "))
+    assert killed < fifth, lines
     progress = [line for line in proc.stderr.splitlines() if line.startswith("spotline: step ")]
     # Each line once (wandb is on here: replaying the steps into it printed every line a
     # second time, then with the loss), in order, each with its step's loss, to the end.
@@ -197,20 +277,44 @@ def test_deepspeed_s_launcher_prints_the_same_summary(tmp_path: Path) -> None:
     )
     cfg = write_config(tmp_path / "c.json", small_config(training={"steps": 2}))
     out = tmp_path / "out"
+    command = [sys.executable, "launch/train.py", "--config", str(cfg), "--stages", "1"]
+    command += ["--output", str(out)]
     proc = subprocess.run(
-        [sys.executable, "launch/train.py", "--config", str(cfg), "--stages", "1"]
-        + ["--output", str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert "spotline: trained gpt2-tiny for 2 steps on 1 workers" in proc.stdout
+    header = "spotline: trained gpt2-tiny for 2 steps on 1 worker (1 stage x 1 pipeline "
+    assert header in proc.stdout
     assert f"param_sha256 {summary['param_sha256']}" in proc.stdout
+    # What every run writes, as spotline train writes it: the one placement, no
+    # rebalances, ...
+    assert summary["logical_placements"] == [
+        {"generation": 0, "pipelines": [{"workers": ["w0"], "logical_workers": [0]}]}
+    ]
+    assert summary["logical_rebalances"] == []
+    # ... the timeline's rows (no plot: timeline_png is false here) ...
+    rows = list(csv.DictReader((out / "timeline.csv").open()))
+    assert [(r["event"], r["step"], r["placement"]) for r in rows] == [
+        ("start", "0", "w0=p0:s0"),
+        ("throughput", "2", "w0=p0:s0"),
+    ]
+    assert float(rows[1]["samples_per_s"]) > 0 and rows[1]["live_workers"] == "1"
+    assert not (out / "timeline.png").exists()
+    # ... and each rank's output, stdout and stderr, in its log as on the console.
+    assert sorted(p.name for p in (out / "logs").iterdir()) == ["w0.log"]
+    log = (out / "logs" / "w0.log").read_text()
+    assert f"param_sha256 {summary['param_sha256']}" in log
+    assert "spotline: step 2/2 loss" in proc.stderr and "spotline: step 2/2 loss" in log
+    # The same command again: the finished run's directory is refused, left as it was.
+    before = file_stamps(out)
+    again = subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert again.returncode == 2, again.stderr[-3000:]
+    (error,) = [line for line in again.stderr.splitlines() if line.strip()]
+    assert error.startswith(f"spotline: error: --output {out} holds a finished run"), error
+    assert file_stamps(out) == before
 
 
 def test_the_install_is_quiet_unless_it_fails(tmp_path: Path) -> None:

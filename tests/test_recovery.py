@@ -45,22 +45,22 @@ def baselines(tmp_path_factory) -> dict[str, str]:
 @pytest.mark.parametrize(
     ("topology", "inject", "variant"),
     [
-        # Stage 1 lost in its first forward: its holder (stage 0) applies a step's replica
-        # update in the next step's last bubble, so it still waits with step 2's gradients;
-        # the recovery applies them ("ready") before the takeover.
-        ("1x4", "kill:3:1:forward", "lazy"),
+        # Stage 1 lost in its first forward of step 4: its holder (stage 0) applies a step's
+        # replica update in the next step's last bubble, so it still waits with step 3's
+        # gradients; the recovery applies them ("ready") before the takeover.
+        ("1x4", "kill:4:1:forward", "lazy"),
         # Membership through an etcd the test starts on loopback instead of the TCPStore.
-        ("1x4", "kill:2:1:send", "etcd"),
-        ("1x4", "kill:1:0:recv", "lazy"),
-        ("1x4", "kill:2:1:optimizer", "lazy"),
+        ("1x4", "kill:3:1:send", "etcd"),
+        ("1x4", "kill:2:0:recv", "lazy"),
+        ("1x4", "kill:3:1:optimizer", "lazy"),
         # Eager redundancy (the replica's step run with the owner's): the same takeover.
-        ("1x4", "kill:4:3:backward", "eager"),
+        ("1x4", "kill:5:3:backward", "eager"),
         # The last stage lost just past the commit: the survivors apply the step, and its loss
         # (which DeepSpeed sends from the last stage only after the update) is already theirs.
-        ("1x4", "kill:2:3:committed", "lazy"),
-        ("2x2", "kill:3:3:forward", "lazy"),
-        ("2x2", "kill:2:0:optimizer", "lazy"),
-        ("2x2", "kill:1:2:recv", "lazy"),
+        ("1x4", "kill:3:3:committed", "lazy"),
+        ("2x2", "kill:4:3:forward", "lazy"),
+        ("2x2", "kill:3:0:optimizer", "lazy"),
+        ("2x2", "kill:2:2:recv", "lazy"),
     ],
 )
 def test_sigkill_mid_step_is_taken_over_from_memory(
@@ -153,8 +153,8 @@ def test_both_owners_of_a_stage_lost_it_is_assembled_from_the_sharded_replicas(
     spotline_train, baselines
 ) -> None:
     """``replica: sharded``, 2 stages x 2 pipelines: stage 0 of pipeline p holds shard p of
-    stage 1. Two workers arrive at step 3 (standbys), then both owners of stage 1 (w2, w3)
-    die just past step 4's commit: stage 1 survives only as the two shards, rolled forward
+    stage 1. Two workers arrive for step 4 (standbys), then both owners of stage 1 (w2, w3)
+    die just past step 5's commit: stage 1 survives only as the two shards, rolled forward
     and assembled by the standbys that take it over; the bits are the full replicas' (the
     undisturbed 2x2 run's), and each replica holds exactly its shard's elements."""
     config = small_config(
@@ -167,19 +167,19 @@ def test_both_owners_of_a_stage_lost_it_is_assembled_from_the_sharded_replicas(
         "--checkpoint-interval",
         "100",
         "--inject",
-        "add:3",
+        "add:4",
         "--inject",
-        "add:3",
+        "add:4",
         "--inject",
-        "kill:4:2:committed",
+        "kill:5:2:committed",
         "--inject",
-        "kill:4:3:committed",
+        "kill:5:3:committed",
     )
     assert summary["param_sha256"] == baselines["2x2"]  # sharding changes no bit
     assert summary["preemptions"] == 2 and summary["recoveries"] == 1
     assert summary["checkpoint_fallbacks"] == 0  # from the shards, in memory
     (event,) = summary["recovery_events"]
-    assert event["in_memory"] and event["resume_step"] == 5  # step 4 was rolled forward
+    assert event["in_memory"] and event["resume_step"] == 5  # step 5 was rolled forward
     assert summary["replica_checks"] >= 1 and summary["replica_mismatches"] == []
     # The last layout: stage 0 on w0 (pipeline 0) and w1, stage 1 on the arrivals, which
     # received it from the shards (their only generation).
@@ -219,9 +219,9 @@ def test_both_owners_of_a_stage_lost_it_is_assembled_from_the_sharded_replicas(
 def test_sigterm_leaves_cleanly_and_a_hung_worker_is_killed_and_taken_over(
     spotline_train, baselines, topology
 ) -> None:
-    """w3 hangs mid-backward of step 2 (SIGSTOP: alive, its heartbeat thread frozen with it),
+    """w3 hangs mid-backward of step 3 (SIGSTOP: alive, its heartbeat thread frozen with it),
     is found by its missed heartbeat, killed, and its stage taken over from memory; w1 gets
-    a preemption notice at step 4 (a member or standby in the new layout, whichever it is)
+    a preemption notice at the start of step 5 (a member or standby in the new layout, whichever it is)
     and leaves at a step boundary. A 3 s heartbeat timeout: the timeouts decide no bit of
     the result."""
     config = small_config(
@@ -229,7 +229,7 @@ def test_sigterm_leaves_cleanly_and_a_hung_worker_is_killed_and_taken_over(
         redundancy={"mode": "lazy"},
         recovery={"heartbeat_timeout_s": 3},
     )
-    flags = ("--inject", "stop:2:3:backward", "--inject", "term:4:1")
+    flags = ("--inject", "stop:3:3:backward", "--inject", "term:5:1")
     summary = spotline_train(config, *TOPOLOGIES[topology], *flags)
     assert summary["param_sha256"] == baselines[topology]
     assert summary["preemptions"] == 1  # the notice; a hang is a loss, not a preemption
@@ -240,7 +240,11 @@ def test_sigterm_leaves_cleanly_and_a_hung_worker_is_killed_and_taken_over(
     (missed,) = [e for e in summary["events"] if e["kind"] == "heartbeat-missed"]
     assert missed["worker"] == "w3" and missed["silent_s"] >= 3
     first = summary["recovery_events"][0]
-    assert first["in_memory"] and first["resume_step"] == 2
+    assert first["in_memory"] and first["resume_step"] == 2  # after 2 steps: step 3 redone
+    # The hang is counted as one (not a preemption), and its recovery as the others are.
+    assert summary["hung_workers"] == 1
+    assert summary["recoveries"] == len(summary["recovery_events"])
+    assert summary["recovery_summary"]["num_recoveries"] == summary["recoveries"]
 
 
 def test_kill_then_arrival_rebuilds_the_pipelines(
@@ -250,7 +254,7 @@ def test_kill_then_arrival_rebuilds_the_pipelines(
         training={"steps": STEPS}, redundancy={"mode": "lazy"}, tracking={"timeline_png": True}
     )
     summary = spotline_train(
-        drawn, *TOPOLOGIES["2x2"], "--inject", "kill:2:1:backward", "--inject", "add:4"
+        drawn, *TOPOLOGIES["2x2"], "--inject", "kill:3:1:backward", "--inject", "add:5"
     )
     assert summary["param_sha256"] == baselines["2x2"]
     kinds = [e["kind"] for e in summary["events"]]
@@ -273,15 +277,15 @@ def test_adjacent_workers_lost_together_fall_back_to_the_checkpoint(
         "--checkpoint-interval",
         "2",
         "--inject",
-        "kill:5:1",
+        "kill:6:1",
         "--inject",
-        "kill:5:2",
+        "kill:6:2",
     )
     assert summary["param_sha256"] == baselines["1x4"]
     assert summary["preemptions"] == 2
     assert summary["checkpoint_fallbacks"] == 1
     fallback = [e for e in summary["events"] if e["kind"] == "checkpoint-fallback"]
-    assert fallback and fallback[0]["step"] == 4  # then steps 4.. are replayed deterministically
+    assert fallback and fallback[0]["step"] == 4  # after 4 steps: 5.. replayed deterministically
     assert summary["steps_redone"] >= 1
     # The coordinator committed, found and read that checkpoint without the training code:
     # its process held torch (the store's) and nothing else heavy.
@@ -297,7 +301,7 @@ def test_checkpoint_restart_baseline_gives_the_same_result(spotline_train, basel
         "--checkpoint-interval",
         "2",
         "--inject",
-        "kill:3:2:forward",
+        "kill:4:2:forward",
     )
     assert summary["param_sha256"] == baselines["1x4"]
     assert summary["recovery_mode"] == "checkpoint-restart"
@@ -374,7 +378,7 @@ def test_a_long_generation_with_a_standby_is_not_taken_for_a_hang(
     config = small_config(
         training={"steps": 300}, redundancy={"mode": "lazy"}, recovery={"collective_timeout_s": 3.0}
     )
-    summary = spotline_train(config, "--workers", "2", "--stages", "2", "--inject", "add:2")
+    summary = spotline_train(config, "--workers", "2", "--stages", "2", "--inject", "add:3")
     kinds = [event["kind"] for event in summary["events"]]
     assert "unresponsive" not in kinds
     assert summary["preemptions"] == 0 and summary["checkpoint_fallbacks"] == 0

@@ -98,12 +98,28 @@ def test_summarize_recoveries_without_recoveries_and_with_an_open_episode() -> N
     assert empty["num_recoveries"] == 0 and empty["median_recovery_s"] is None
     assert empty["max_recovery_s"] is None and empty["total_recovery_s"] == 0.0
     timeline = Timeline()
-    timeline.record(0.0, "recovered", 0, 2, {}, None)  # nothing to pair with: ignored
+    # Nothing to pair with (a failed step that lost no process): a recovery without a time.
+    timeline.record(0.0, "recovered", 0, 2, {}, None)
     timeline.record(1.0, "preempted", 0, 1, {}, None)
     summary = summarize_recoveries(timeline.rows)
     assert summary["num_failures"] == 1
-    assert summary["num_recoveries"] == 0
+    assert summary["num_recoveries"] == 1 and summary["recovery_s"] == []
     assert summary["num_unrecovered"] == 1
+
+
+def test_every_recovered_row_is_a_recovery_as_the_run_counts_them() -> None:
+    """num_recoveries is the run's ``recoveries``: one per ``recovered`` row, a hung worker's
+    (its ``heartbeat-missed`` row opens the episode: timed) and a checkpoint fallback's
+    alike. It counted closed episodes only: a hang's recovery was missing from it."""
+    timeline = Timeline()
+    timeline.record(1.0, "heartbeat-missed", 1, 3, {}, None, "worker:w3")
+    timeline.record(1.5, "recovered", 1, 3, {}, None)
+    timeline.record(2.0, "preempted", 2, 3, {}, None)
+    timeline.record(2.5, "checkpoint-fallback", 2, 3, {}, None)
+    timeline.record(3.0, "recovered", 2, 3, {}, None)
+    summary = summarize_recoveries(timeline.rows)
+    assert summary["num_recoveries"] == 2 and summary["recovery_s"] == [0.5, 1.0]
+    assert summary["num_failures"] == 2
 
 
 def test_record_validates() -> None:

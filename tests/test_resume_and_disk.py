@@ -19,7 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import REPO, child_env, read_summary, run_spotline, small_config, write_config
+from conftest import (
+    REPO,
+    child_env,
+    file_stamps,
+    read_summary,
+    run_spotline,
+    small_config,
+    write_config,
+)
+from wandb_records import logged
 
 from spotline.checkpoint import MANIFEST, CheckpointWriter, latest_complete, step_dir
 from spotline.config import parse_config
@@ -70,7 +79,7 @@ def test_a_resume_refuses_a_change_of_the_math_naming_the_key(change, key) -> No
         # 2 workers of 2 stages running the stopped run's 2 logical workers: same math.
         {"topology": {"workers": 2}, "elasticity": {"logical_workers": 2}},
         {"redundancy": {"mode": "lazy"}},
-        {"recovery": {"mode": "checkpoint-restart", "inject": ["kill:3:1"]}},
+        {"recovery": {"mode": "checkpoint-restart", "inject": ["kill:4:1"]}},
         {"checkpoints": {"interval_steps": 5, "on_write_error": "continue"}},
         {"training": {"steps": 40}},  # extends the run
         {"elasticity": {"slow_worker": 0, "slow_factor": 3.0}},
@@ -138,6 +147,12 @@ SLOW = small_config(
     elasticity={"slow_worker": 0, "slow_factor": 4.0},
 )
 SLOW["scheduler"] = SCHEDULER
+# A kill before the stop (worker 1, in the first step, before the first checkpoint): the
+# resumed run's record must still count it.
+SLOW_KILLED = {
+    **SLOW,
+    "spotline": {**SLOW["spotline"], "recovery": {"inject": ["kill:1:1:forward"]}},
+}
 
 
 def _with_wandb(config: dict[str, Any]) -> dict[str, Any]:
@@ -204,6 +219,16 @@ def _no_traceback(proc: subprocess.CompletedProcess[str], output: Path) -> None:
         assert "Traceback" not in text and "KeyboardInterrupt" not in text, (log, text[-2000:])
 
 
+def _event_kinds(stderr: str) -> list[str]:
+    """The events a run printed as they happened (``spotline: [   1.23s] KIND {...}``)."""
+    kinds = []
+    for line in stderr.splitlines():
+        head, sep, rest = line.partition("s] ")
+        if sep and head.startswith("spotline: ["):
+            kinds.append(rest.split(" ", 1)[0])
+    return kinds
+
+
 def _checkpoint_files(output: Path) -> dict[str, int]:
     return {
         str(p.relative_to(output)): p.stat().st_mtime_ns
@@ -226,9 +251,11 @@ def test_ctrl_c_stops_at_a_checkpoint_and_resume_ends_with_the_uninterrupted_has
     assert proc.returncode == 0, proc.stderr[-3000:]
     baseline = read_summary(baseline_out)
 
-    # One Ctrl-C: the job stops at the next step boundary that has a checkpoint.
+    # One Ctrl-C: the job stops at the next step boundary that has a checkpoint (after a
+    # worker was killed and taken over).
+    slow_killed = write_config(tmp_path / "slow-killed.json", _with_wandb(SLOW_KILLED))
     out = tmp_path / "stopped"
-    stopped = _interrupt(slow, out, presses=1)
+    stopped = _interrupt(slow_killed, out, presses=1)
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     _no_traceback(stopped, out)
     last = stopped.stderr.strip().splitlines()[-1]
@@ -246,7 +273,7 @@ def test_ctrl_c_stops_at_a_checkpoint_and_resume_ends_with_the_uninterrupted_has
 
     # The same command again: refused, the checkpoints left as they were.
     before = _checkpoint_files(out)
-    again = run_spotline(["train", "--config", str(slow), "--output", str(out)])
+    again = run_spotline(["train", "--config", str(slow_killed), "--output", str(out)])
     assert again.returncode == 2
     (error,) = [line for line in again.stderr.splitlines() if line.strip()]
     assert error.startswith("spotline: error: ") and "--resume" in error and "--output" in error
@@ -265,6 +292,19 @@ def test_ctrl_c_stops_at_a_checkpoint_and_resume_ends_with_the_uninterrupted_has
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = read_summary(out)
     assert summary["resumed_from_step"] == step
+    # The record covers the whole run: the stopped part's kill and events, then the resume's.
+    assert summary["preemptions"] == 1, summary["events"]
+    assert summary["recoveries"] == 1 and len(summary["recovery_events"]) == 1
+    assert summary["recovery_events"][0]["in_memory"]
+    kinds = [e["kind"] for e in summary["events"]]
+    assert kinds == _event_kinds(stopped.stderr) + _event_kinds(resumed.stderr), kinds
+    assert kinds.count("start") == 2 and "recovered" in kinds
+    assert [(p["from_step"], p["reached_step"], p["how"]) for p in summary["parts"]] == [
+        (0, step, "stopped"),
+        (step, STEPS, "finished"),
+    ]
+    assert None not in summary["step_times_s"]
+    assert not (out / "run-record.json").exists()  # the summary holds it now
     assert summary["param_sha256"] == baseline["param_sha256"]
     assert summary["losses"] == baseline["losses"]
     assert summary["learning_rates"] == baseline["learning_rates"]
@@ -272,9 +312,35 @@ def test_ctrl_c_stops_at_a_checkpoint_and_resume_ends_with_the_uninterrupted_has
     assert summary["checkpoint_write_errors"] == []
     # One wandb run, continued by the resume from the step the stop had logged up to.
     resumed_run = json.loads((out / "wandb-run.json").read_text())
-    assert resumed_run == {"id": stopped_run["id"], "logged_steps": STEPS}
+    assert resumed_run == {
+        "id": stopped_run["id"],
+        "logged_steps": STEPS,
+        "logged_events": len(summary["events"]),
+    }
     parts = sorted((out / "wandb").glob("offline-run-*"))
     assert len(parts) == 2 and all(p.name.endswith(f"-{stopped_run['id']}") for p in parts)
+    # What wandb wrote (its files, read without Spotline): every step's loss exactly once.
+    rows = logged(out)
+    loss_steps = sorted(row["_step"] for row in rows if "loss" in row)
+    assert loss_steps == list(range(STEPS)), loss_steps
+    assert [row["loss"] for row in sorted(rows, key=lambda r: r["_step"]) if "loss" in row] == (
+        summary["losses"]
+    )
+    assert {k.split("/")[1] for row in rows for k in row if k.startswith("event/")} == set(kinds)
+
+    # The finished run's directory is its record: a new run into it and a resume of it are
+    # refused in one line, and nothing in it changes.
+    before = file_stamps(out)
+    again = run_spotline(["train", "--config", str(fast), "--output", str(out)])
+    assert again.returncode == 2, again.stderr[-3000:]
+    (error,) = [line for line in again.stderr.splitlines() if line.strip()]
+    assert error.startswith(f"spotline: error: --output {out} holds a finished run"), error
+    assert "--resume" in error and "fresh --output" in error
+    finished = run_spotline(["train", "--resume", str(out)])
+    assert finished.returncode == 2, finished.stderr[-3000:]
+    (error,) = [line for line in finished.stderr.splitlines() if line.strip()]
+    assert error.startswith(f"spotline: error: --resume {out}: that run finished"), error
+    assert file_stamps(out) == before
 
     # Two Ctrl-Cs: the job stops at once, still without a traceback, nothing left running.
     out2 = tmp_path / "stopped-twice"

@@ -4,15 +4,17 @@ Two ways to disturb a local run, both decided before it starts so a run is repro
 
 Injections (:class:`Injection`, :func:`parse_injection`)
     ``--inject SIGNAL:STEP:WORKER[:PHASE]`` sends ``SIGKILL`` (``kill``) or ``SIGTERM``
-    (``term``, a preemption notice with a grace period) to local worker ``WORKER`` when it
-    reaches step ``STEP``, or stops it (``stop``: SIGSTOP, a worker that hangs, alive and
-    silent, which the coordinator finds by its missed heartbeat and kills; the worker stops
-    itself, at the boundary as in a phase); with ``PHASE`` (forward, backward, send, recv, optimizer,
-    committed: just after the step's commit point, before its update) in the middle of that
-    phase of the step, without it at the step boundary (before the step's
-    first instruction). ``--inject add:STEP`` starts one new local worker at the boundary of
-    step ``STEP``. The coordinator and the engine ask :func:`injections_at` which injections
-    fire where they stand.
+    (``term``, a preemption notice with a grace period) to local worker ``WORKER`` during
+    step ``STEP`` (counted from 1, as the progress lines count: ``kill:10:...`` hits the
+    step whose line reads "step 10/N"), or stops it (``stop``: SIGSTOP, a worker that
+    hangs, alive and silent, which the coordinator finds by its missed heartbeat and
+    kills; the worker stops itself, at the boundary as in a phase); with ``PHASE``
+    (forward, backward, send, recv, optimizer, committed: just after the step's commit
+    point, before its update) in the middle of that phase of the step, without it at the
+    step boundary (before the step's first instruction). ``--inject add:STEP`` starts one new local worker that trains from
+    step ``STEP`` on. :class:`Injection` holds the step 0-based (``STEP - 1``, the index the
+    engine and the coordinator count with), so the coordinator and the engine ask
+    :func:`injections_at` which injections fire where they stand with their own index.
 Timed events (:class:`TimedEvent`, :func:`trace_events`, :func:`random_preemptions`)
     A preemption trace (:mod:`spotline.plan.traces`) replayed in wall-clock time against at
     most ``max_workers`` local workers: "at ``at_s`` seconds, remove (or add) ``count``
@@ -63,15 +65,19 @@ INJECT_FORM = "SIGNAL:STEP:WORKER[:PHASE] with SIGNAL kill, term or stop, or add
 """The expected form of ``--inject``, quoted by every parse error."""
 
 _INTEGER_RE = re.compile(r"^[0-9]+$")
+STEP_COUNT = "steps count from 1, as the progress lines do ('step 1/N' is the first)"
+"""Why a STEP of 0 is refused, quoted by the ``--inject`` and ``--rescale`` errors."""
 
 
 @dataclass(frozen=True)
 class Injection:
-    """One fault pinned to a step: ``signal`` (kill, term, stop) sent to local ``worker`` at
-    ``step`` (in ``phase``, or at the step boundary when ``phase`` is None), or one worker
-    added (``add``: ``worker`` and ``phase`` are None) at the boundary of ``step``.
+    """One fault pinned to a step: ``signal`` (kill, term, stop) sent to local ``worker`` in
+    step ``step`` (in ``phase``, or at the step's start when ``phase`` is None), or one
+    worker added (``add``: ``worker`` and ``phase`` are None) that trains from ``step`` on.
 
-    Made by :func:`parse_injection`; matched by :func:`injections_at`.
+    ``step`` is 0-based, the index the engine counts with; the flag's STEP (counted from 1,
+    as the progress lines count) is ``step + 1`` (:attr:`number`). Made by
+    :func:`parse_injection`; matched by :func:`injections_at`.
     """
 
     signal: Signal
@@ -99,11 +105,16 @@ class Injection:
             if self.phase is not None and self.phase not in PHASES:
                 raise ValueError(f"injection phase must be one of {PHASES}, got {self.phase!r}")
 
+    @property
+    def number(self) -> int:
+        """The step as ``--inject`` and the progress lines count it (from 1)."""
+        return self.step + 1
+
     def __str__(self) -> str:
         """The ``--inject`` text that parses back to this injection."""
         if self.signal == "add":
-            return f"add:{self.step}"
-        text = f"{self.signal}:{self.step}:{self.worker}"
+            return f"add:{self.number}"
+        text = f"{self.signal}:{self.number}:{self.worker}"
         return text if self.phase is None else f"{text}:{self.phase}"
 
 
@@ -118,8 +129,19 @@ def _parse_index(text: str, field_text: str, name: str) -> int:
     return int(field_text)
 
 
+def _parse_step(text: str, field_text: str) -> int:
+    """The 0-based index of the flag's STEP (counted from 1: 0 is refused)."""
+    if not _INTEGER_RE.match(field_text):
+        raise _bad_injection(text, "STEP must be a positive integer")
+    number = int(field_text)
+    if number == 0:
+        raise _bad_injection(text, f"there is no step 0: {STEP_COUNT}")
+    return number - 1
+
+
 def parse_injection(text: str) -> Injection:
-    """Parse one ``--inject`` value: ``kill|term|stop:STEP:WORKER[:PHASE]`` or ``add:STEP``.
+    """Parse one ``--inject`` value: ``kill|term|stop:STEP:WORKER[:PHASE]`` or ``add:STEP``,
+    STEP counted from 1 (the injection's ``step`` is ``STEP - 1``).
 
     Surrounding whitespace is ignored; everything else is exact (lower-case names, decimal
     integers). Malformed text raises :class:`spotline.errors.UserError` (a ValueError) with
@@ -130,12 +152,12 @@ def parse_injection(text: str) -> Injection:
     if signal_text == "add":
         if len(fields) != 2:
             raise _bad_injection(text, "add takes only a STEP")
-        return Injection("add", _parse_index(text, fields[1], "STEP"), None, None)
+        return Injection("add", _parse_step(text, fields[1]), None, None)
     if signal_text not in (*REMOVALS, "stop"):
         raise _bad_injection(text, f"unknown SIGNAL {signal_text!r}")
     if len(fields) not in (3, 4):
         raise _bad_injection(text, f"{signal_text} takes STEP:WORKER and an optional PHASE")
-    step = _parse_index(text, fields[1], "STEP")
+    step = _parse_step(text, fields[1])
     worker = _parse_index(text, fields[2], "WORKER")
     phase: Phase | None = None
     if len(fields) == 4:
@@ -166,21 +188,21 @@ def parse_injections(texts: Iterable[str]) -> tuple[Injection, ...]:
         if key in seen:
             raise UserError(
                 f"--inject {str(injection)!r}: worker {injection.worker} already receives a "
-                f"signal at step {injection.step}; give each worker one fault per step and phase"
+                f"signal at step {injection.number}; give each worker one fault per step and phase"
             )
         seen.add(key)
     return tuple(sorted(injections, key=lambda injection: injection.step))
 
 
 def check_injections(injections: Iterable[Injection], *, num_workers: int, num_steps: int) -> None:
-    """UserError unless every injection fits the run: step < ``num_steps`` and (for kill/term)
-    worker < ``num_workers``, the number of local workers at the start. Pairs with the CLI,
-    which knows both only after reading the config."""
+    """UserError unless every injection fits the run: its STEP at most ``num_steps`` and
+    (for kill/term) worker < ``num_workers``, the number of local workers at the start.
+    Pairs with the CLI, which knows both only after reading the config."""
     for injection in injections:
         if injection.step >= num_steps:
             raise UserError(
-                f"--inject {str(injection)!r}: step {injection.step} is past the run's last "
-                f"step {num_steps - 1}; use a step below {num_steps}"
+                f"--inject {str(injection)!r}: step {injection.number} is past the run's last "
+                f"step {num_steps}; use a step from 1 to {num_steps}"
             )
         if injection.worker is not None and injection.worker >= num_workers:
             raise UserError(
@@ -460,19 +482,26 @@ def live_workers_over_time(
 
 # --------------------------------------------------------------------------- rescales
 
-RESCALE_FORM = "STEP:M[,STEP:M...] with increasing steps and M >= 1 processes"
+RESCALE_FORM = "STEP:M[,STEP:M...] with increasing steps (counted from 1) and M >= 1 processes"
 
 
 @dataclass(frozen=True)
 class ScaleTo:
-    """``--rescale STEP:M``: at the boundary of step ``step`` the job runs on ``num_workers``
-    worker processes; the coordinator kills (SIGKILL) or starts the difference."""
+    """``--rescale STEP:M``: from step STEP on (counted from 1, as ``--inject add:STEP``) the
+    job runs on ``num_workers`` worker processes; the coordinator kills (SIGKILL) or starts
+    the difference at the boundary before it. ``step`` is that boundary's 0-based index
+    (``STEP - 1``: the steps done before it), the flag's STEP is :attr:`number`."""
 
     step: int
     num_workers: int
 
+    @property
+    def number(self) -> int:
+        """The step as ``--rescale`` and the progress lines count it (from 1)."""
+        return self.step + 1
+
     def __str__(self) -> str:
-        return f"{self.step}:{self.num_workers}"
+        return f"{self.number}:{self.num_workers}"
 
 
 def parse_rescales(text: str | None) -> tuple[ScaleTo, ...]:
@@ -489,15 +518,17 @@ def parse_rescales(text: str | None) -> tuple[ScaleTo, ...]:
             raise UserError(
                 f"--rescale {text!r}: bad part {part.strip()!r}; expected {RESCALE_FORM}"
             )
-        rescale = ScaleTo(int(fields[0]), int(fields[1]))
+        if int(fields[0]) == 0:
+            raise UserError(f"--rescale {text!r}: there is no step 0: {STEP_COUNT}")
+        rescale = ScaleTo(int(fields[0]) - 1, int(fields[1]))
         if rescale.num_workers < 1:
             raise UserError(
                 f"--rescale {text!r}: {rescale} leaves no process; expected {RESCALE_FORM}"
             )
         if out and rescale.step <= out[-1].step:
             raise UserError(
-                f"--rescale {text!r}: step {rescale.step} does not come after step "
-                f"{out[-1].step}; expected {RESCALE_FORM}"
+                f"--rescale {text!r}: step {rescale.number} does not come after step "
+                f"{out[-1].number}; expected {RESCALE_FORM}"
             )
         out.append(rescale)
     return tuple(out)
@@ -506,14 +537,14 @@ def parse_rescales(text: str | None) -> tuple[ScaleTo, ...]:
 def check_rescales(
     rescales: Sequence[ScaleTo], *, num_steps: int, num_stages: int, max_workers: int
 ) -> None:
-    """UserError unless every rescale fits the run: a step inside it (after step 0, which
-    the start already has), at least ``num_stages`` processes (one pipeline), and at most
-    ``max_workers``."""
+    """UserError unless every rescale fits the run: a STEP inside it (after step 1, which
+    trains on the processes the run starts with), at least ``num_stages`` processes (one
+    pipeline), and at most ``max_workers``."""
     for rescale in rescales:
         if not 0 < rescale.step < num_steps:
             raise UserError(
-                f"--rescale {rescale}: step {rescale.step} is not inside the run; use a step "
-                f"from 1 to {num_steps - 1}"
+                f"--rescale {rescale}: step {rescale.number} is not inside the run; use a step "
+                f"from 2 to {num_steps} (step 1 trains on the processes the run starts with)"
             )
         if rescale.num_workers < num_stages:
             raise UserError(

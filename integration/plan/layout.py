@@ -178,6 +178,20 @@ class Layout:
         pipeline, _ = self.slot_of(worker)
         return f"p{pipeline}:" + "+".join(f"s{s}" for s in self.stages_of(worker))
 
+    def logical_placement(
+        self, generation: int, assignment: Mapping[str, Sequence[int]]
+    ) -> dict[str, Any]:
+        """``generation``'s entry of ``summary.json``'s ``logical_placements``: each physical
+        pipeline's workers (in stage order) and the logical workers ``assignment`` gives it
+        (keyed by :func:`pipeline_name`). Every entry point lists its placements so."""
+        return {
+            "generation": generation,
+            "pipelines": [
+                {"workers": list(row), "logical_workers": list(assignment[pipeline_name(p)])}
+                for p, row in enumerate(self.slots)
+            ],
+        }
+
     def to_json(self) -> dict[str, Any]:
         """The layout as JSON (the plans the coordinator publishes carry it)."""
         return {

@@ -46,6 +46,7 @@ from spotline.errors import UserError
 from spotline.launch.bench.jobs import (
     BenchSettings,
     RunFailed,
+    clear_earlier_run,
     interleaved,
     machine_info,
     median,
@@ -96,6 +97,8 @@ def run_loss(
     ``kill_after``; returns the times seen from here and the summary's figures."""
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "out"
+    if out.is_dir():
+        clear_earlier_run(out)
     err = run_dir / "coordinator.err"
     machines = 1 if variant == "single-machine" else 1 + WORKERS
     with ExitStack() as stack:

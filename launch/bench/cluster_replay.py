@@ -52,6 +52,7 @@ from spotline.errors import UserError
 from spotline.launch.bench.jobs import (
     BenchSettings,
     RunFailed,
+    clear_earlier_run,
     machine_info,
     progress,
     resolve_base_config,
@@ -237,6 +238,8 @@ def run_cluster(
     seen from here and the summary's figures."""
     run_dir.mkdir(parents=True, exist_ok=True)
     out = run_dir / "out"
+    if out.is_dir():
+        clear_earlier_run(out)
     err = run_dir / "coordinator.err"
     flags = ["--workers", str(workers), "--stages", str(STAGES),
              "--start-workers", str(min(len(initial), workers)), "--steps", str(steps)]  # fmt: skip

@@ -11,7 +11,7 @@
     spotline bench reduce [--elements 1000000] [--ranks 2] [--logical-workers 4]
     spotline bench overlap [--elements 7172736] [--ranks 2] [--device cpu]
     spotline bench easyscale [--workers 2]
-    spotline bench takeover [--kill-at 5]
+    spotline bench takeover [--kill-at 6]
     spotline bench profile [--model gpt2-big] [--stages 2]
     spotline bench cluster [--steps 8] [--repeats 3] [--victim w1] [--kill-after 2]
     spotline bench cluster-replay [--trace FILE] [--machines 4] [--time-scale 30]
@@ -280,7 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="an in-memory takeover's time (kill to next committed step) and the state it moves",
     )
     takeover.add_argument(
-        "--kill-at", type=int, default=5, help="SIGKILL worker 1 in this step (default 5)"
+        "--kill-at",
+        type=int,
+        default=6,
+        help="SIGKILL worker 1 during this step, counted from 1 (default 6)",
     )
     replay = sub.add_parser(
         "cluster-replay",

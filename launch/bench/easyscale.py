@@ -107,7 +107,9 @@ def bench_easyscale(settings: BenchSettings, workers: int) -> dict[str, Any]:
         },
     )
     rescale_config = write_config(rescale_cfg, work / "rescale-config.json")
-    plan = f"{steps // 4}:2,{steps // 2}:3,{3 * steps // 4}:1"
+    # --rescale counts steps from 1: M processes from the step after a quarter, a half and
+    # three quarters of the run.
+    plan = f"{steps // 4 + 1}:2,{steps // 2 + 1}:3,{3 * steps // 4 + 1}:1"
     static = run_spotline_train(rescale_config, work / "rescale-static", [])
     rescaled = run_spotline_train(rescale_config, work / "rescale", ["--rescale", plan])
     removals = [e["recovery_s"] for e in rescaled["recovery_events"]]

@@ -54,6 +54,7 @@ from spotline.launch.bench.jobs import (
     write_config,
 )
 from spotline.launch.bench.rank_group import finish_rank_group, start_rank_group
+from spotline.launch.cli import counted
 
 STOCK_MODULE = "spotline.launch.bench.stock_worker"
 
@@ -307,7 +308,7 @@ def format_foundation(report: dict[str, Any]) -> str:
     )
     head = (
         f"### foundation: {report['model']}, {report['workers']} workers "
-        f"({report['stages']} stages x {report['pipelines']} pipelines), "
+        f"({counted(report['stages'], 'stage')} x {counted(report['pipelines'], 'pipeline')}), "
         f"{report['micro_batches']} micro-batches of {report['micro_batch_size']}, "
         f"{report['steps']} steps, median of {report['repeats']} {rounds}"
     )

@@ -16,6 +16,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import signal
 import socket
 import statistics
@@ -29,6 +30,7 @@ from types import FrameType
 from typing import Any
 
 from spotline.errors import UserError
+from spotline.run_dir import earlier_run_outputs
 
 EXIT_USAGE = 2
 
@@ -195,6 +197,17 @@ def _train_command(config: Path, run_dir: Path, extra_flags: Sequence[str]) -> l
     ]
 
 
+def clear_earlier_run(run_dir: Path) -> None:
+    """Remove what an earlier invocation's run left in ``run_dir``, a bench's own scratch
+    folder (``spotline train`` refuses a directory holding an earlier run's output)."""
+    for name in earlier_run_outputs(run_dir):
+        path = run_dir / name.rstrip("/")
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
 def start_spotline_train(
     config: Path,
     run_dir: Path,
@@ -204,6 +217,7 @@ def start_spotline_train(
     """``spotline train`` started as a subprocess, its output to ``run_dir/bench.log``;
     :func:`finish_spotline_train` waits for it."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    clear_earlier_run(run_dir)
     with open(run_dir / "bench.log", "wb") as log:
         return subprocess.Popen(
             _train_command(config, run_dir, extra_flags),

@@ -38,10 +38,11 @@ VICTIM_WORKER = 1  # stage 1 of pipeline 0: its replica lives on stage 0's worke
 
 
 def bench_takeover(settings: BenchSettings, kill_at: int) -> dict[str, Any]:
-    if not 1 <= kill_at < settings.steps:
+    # Steps count from 1, as --inject and the progress lines count them.
+    if not 2 <= kill_at < settings.steps:
         raise UserError(
             f"--kill-at {kill_at}: kill in a step after the first and before the last "
-            f"(1..{settings.steps - 1}); raise --steps or lower --kill-at"
+            f"(2..{settings.steps - 1}, counted from 1); raise --steps or lower --kill-at"
         )
     cfg = resolve_base_config(
         settings,

@@ -26,6 +26,8 @@ from spotline.protocol import CheckpointWriteError, Store, checkpoint_error_key
 
 # The manifest's metadata key of the evaluations up to its step (a resume reports them).
 EVALUATIONS = "evaluations"
+# ... and of the run's record as the step committed (RunMetrics.record).
+RECORD = "record"
 
 
 class CheckpointCommits:
@@ -125,7 +127,7 @@ class CheckpointCommits:
             # ``step`` is in the store once the files are. Kept with the checkpoint, so
             # that a resumed run's summary has every step's loss.
             self.metrics.collect_step_values(step)
-            metadata: dict[str, dict[str, Any]] = {
+            metadata: dict[str, Any] = {
                 name: {str(s): values[s] for s in range(step) if s in values}
                 for name, values in (
                     ("losses", self.metrics.losses),
@@ -138,6 +140,9 @@ class CheckpointCommits:
                 metadata[EVALUATIONS] = {
                     str(s): r.to_json() for s, r in self.metrics.evaluations.items() if s <= step
                 }
+            # The run's record so far: a resume after a crash (no record of the stop) goes
+            # on from it.
+            metadata[RECORD] = self.metrics.record(reached_step=step, how="running")
             try:
                 if commit_manifest(self.root, step, labels, keep=keep, metadata=metadata):
                     self.committed.add(step)

@@ -2,7 +2,10 @@
 
 Preemptions and arrivals come from a replayed trace (``recovery.trace``, on the wall clock
 or the step clock), from random preemptions (``recovery.preempt_rate``), from ``--inject``
-flags (``kill|term|stop:STEP:WORKER[:PHASE]``, ``add:STEP``) and from ``--rescale STEP:M``.
+flags (``kill|term|stop:STEP:WORKER[:PHASE]``, ``add:STEP``) and from ``--rescale STEP:M``
+(STEP counted from 1 as the progress lines count; :mod:`spotline.plan.chaos` holds it
+0-based, the index compared here with the members' progress, and their events' ``from_step``
+is the flag's: the first step trained with the change).
 Warm workers (``recovery.warm_workers``) are started ahead of a trace's arrivals, because a
 local process start-up (seconds of imports) is not compressed by ``time_scale`` as the
 trace's clock is. An arrival is awaited when its start-up must not decide at which step it
@@ -250,11 +253,11 @@ class FaultDelivery:
         for inj in self.injections:
             if inj.signal == "add" and id(inj) not in self.done_injections:
                 # Started ahead of time; members stop at the step and wait for it to join,
-                # so "add:STEP" means: trains from STEP on.
+                # so "add:STEP" means: trains from STEP on (inj.step: the boundary before it).
                 self.done_injections.add(id(inj))
                 wid = self.supervisor.spawn()
                 self.awaited_joiners.add(wid)
-                self.metrics.event("arrived", worker=wid, at_step=inj.step)
+                self.metrics.event("arrived", worker=wid, from_step=inj.number)
                 key = stop_key(self.job.generation)
                 if not self.store.check([key]):
                     self.store.set(key, str(max(inj.step, progress + 2)))
@@ -268,7 +271,7 @@ class FaultDelivery:
                     self.supervisor.preempt(wid, inj.signal)
 
     def deliver_rescales(self) -> None:
-        """``--rescale STEP:M``: from step STEP on, M worker processes train.
+        """``--rescale STEP:M``: from step STEP on (counted from 1), M worker processes train.
 
         Growth starts the new processes a little ahead (as ``--inject add:STEP`` does): the
         members stop at STEP and wait for them to join. A removal waits until the last
@@ -286,7 +289,9 @@ class FaultDelivery:
             if progress < due.step - 2 or self.metrics.pending_failure_t is not None:
                 return
             self.rescales.pop(0)
-            self.metrics.event("rescale", at_step=due.step, workers=due.num_workers, live=len(live))
+            self.metrics.event(
+                "rescale", from_step=due.number, workers=due.num_workers, live=len(live)
+            )
             for _ in range(due.num_workers - len(live)):
                 self.arrival(awaited=True, at_step=due.step)
             return
@@ -296,7 +301,7 @@ class FaultDelivery:
         if not all(self.store.check([ready_key(generation, w)]) for w in self.job.members()):
             return  # the generation is still being set up: remove from a training one
         self.rescales.pop(0)
-        self.metrics.event("rescale", at_step=due.step, workers=due.num_workers, live=len(live))
+        self.metrics.event("rescale", from_step=due.number, workers=due.num_workers, live=len(live))
         layout = self.job.layout
 
         def loss_cost(w: str) -> tuple[int, int, int]:

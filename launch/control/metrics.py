@@ -39,10 +39,14 @@ from spotline.protocol import (
     loss_key,
     lr_key,
 )
-from spotline.report import Timeline, summarize_recoveries
-from spotline.tracking import eval_fields, eval_line
-
-THROUGHPUT_EVERY_S = 1.0
+from spotline.report import (
+    HUNG_EVENTS,
+    THROUGHPUT_EVERY_S,
+    Timeline,
+    TimelineRow,
+    summarize_recoveries,
+)
+from spotline.tracking import Tracker, eval_fields, eval_line
 
 # The heavy modules a process may hold, listed in summary.json as those the coordinator's
 # process loaded ("coordinator_heavy_modules"): torch alone, and only for the job store
@@ -57,6 +61,16 @@ HEAVY_MODULES = (
     "spotline.models",
 )
 
+
+def row_to_json(row: TimelineRow) -> dict[str, Any]:
+    return {**dataclasses.asdict(row), "placement": [list(pair) for pair in row.placement]}
+
+
+def row_from_json(raw: Mapping[str, Any]) -> TimelineRow:
+    placement = tuple((str(w), str(s)) for w, s in raw["placement"])
+    return TimelineRow(**{**raw, "placement": placement})
+
+
 Snapshot = Callable[[], tuple[int, int, Mapping[str, str]]]
 """(the step reached, live workers, placement: worker -> what it runs) at this moment."""
 
@@ -66,6 +80,40 @@ class Event:
     t_s: float
     kind: str
     detail: Mapping[str, Any] = field(default_factory=dict)
+    # The step the job had reached when it happened: where wandb logs it.
+    at_step: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        """As ``summary.json``'s ``events`` list it."""
+        return {"t_s": round(self.t_s, 3), "kind": self.kind, **self.detail}
+
+    def to_record(self) -> dict[str, Any]:
+        return {"t_s": self.t_s, "kind": self.kind, "detail": dict(self.detail), "at": self.at_step}
+
+    @staticmethod
+    def from_record(raw: Mapping[str, Any]) -> Event:
+        return Event(float(raw["t_s"]), str(raw["kind"]), dict(raw["detail"]), int(raw["at"]))
+
+
+@dataclass(frozen=True)
+class RunPart:
+    """One part of a run: a start (step 0, or a ``--resume``'s checkpoint) to an end
+    (``how``: "finished", "stopped" (a Ctrl-C at a boundary), "interrupted" (a second
+    Ctrl-C) or "failed"), the steps it had trained then and its wall time."""
+
+    from_step: int
+    reached_step: int
+    how: str
+    wall_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(raw: Mapping[str, Any]) -> RunPart:
+        return RunPart(
+            int(raw["from_step"]), int(raw["reached_step"]), str(raw["how"]), float(raw["wall_s"])
+        )
 
 
 class RunMetrics:
@@ -77,10 +125,14 @@ class RunMetrics:
         self.cfg = cfg
         self.store = store
         self.t0 = time.monotonic() if t0 is None else t0  # the run's clock (monotonic)
+        self.elapsed_before = 0.0  # the earlier parts' time on the run's clock
+        self.part_from = 0  # the step this part started from (a --resume's checkpoint)
         self.snapshot = snapshot
         self.events: list[Event] = []
         self.timeline = Timeline()
         self.preemptions = 0
+        # Every recovery from a loss, in memory or from a checkpoint: one a `recovered` event,
+        # so that it equals len(recovery_events) and recovery_summary's num_recoveries.
         self.recoveries = 0
         self.fallbacks = 0
         self.steps_redone = 0
@@ -107,6 +159,65 @@ class RunMetrics:
         self.shown_progress = 0
         self.rate_mark: tuple[float, int] | None = None  # (time, step) of the last rate row
         self.best_progress = 0  # the furthest step ever started: redone steps are not new
+        # The run's earlier parts (a --resume continues a stopped part's record).
+        self.parts: list[RunPart] = []
+
+    # -- a run in parts --------------------------------------------------------------------
+    def record(self, *, reached_step: int, how: str) -> dict[str, Any]:
+        """What this run has recorded so far, this part ending at ``reached_step`` (steps
+        trained) as ``how`` (:class:`RunPart`; "running" in a checkpoint's manifest): what a
+        ``--resume`` continues from, so that the finished run's summary covers every part
+        (``summary.json``'s counters, events, timeline and step times). JSON."""
+        wall = round(self.now() - self.elapsed_before, 3)
+        part = RunPart(self.part_from, reached_step, how, wall)
+        return {
+            "parts": [p.to_json() for p in (*self.parts, part)],
+            "elapsed_s": self.now(),
+            "preemptions": self.preemptions,
+            "recoveries": self.recoveries,
+            "checkpoint_fallbacks": self.fallbacks,
+            "steps_redone": self.steps_redone,
+            "recovery_events": self.recovery_events,
+            "reconfigurations": self.reconfigurations,
+            "logical_placements": self.placements,
+            "exposed_generations": self.exposed_generations,
+            "checkpoint_write_errors": [e.to_json() for e in self.checkpoint_write_errors],
+            "step_times_s": {str(s): t for s, t in self.step_times.items()},
+            "step_ended_at_s": {str(s): t for s, t in self.step_ends.items()},
+            "events": [e.to_record() for e in self.events],
+            "timeline": [row_to_json(row) for row in self.timeline.rows],
+        }
+
+    def continue_record(self, record: Mapping[str, Any], *, resume_step: int) -> None:
+        """Start this part where an earlier part's :meth:`record` ended, from its
+        checkpoint at ``resume_step``: the counters go on, the steps it trained past
+        ``resume_step`` are redone, its step times up to ``resume_step`` are kept and this
+        part's clock continues its clock (its events come after the earlier ones)."""
+        assert not self.events, "continued before anything of this part was recorded"
+        self.part_from = resume_step
+        self.parts = [RunPart.from_json(p) for p in record["parts"]]
+        self.elapsed_before = float(record["elapsed_s"])
+        self.t0 -= self.elapsed_before
+        self.preemptions = int(record["preemptions"])
+        self.recoveries = int(record["recoveries"])
+        self.fallbacks = int(record["checkpoint_fallbacks"])
+        reached = max(p.reached_step for p in self.parts)
+        self.steps_redone = int(record["steps_redone"]) + max(0, reached - resume_step)
+        self.recovery_events = list(record["recovery_events"])
+        self.reconfigurations = list(record["reconfigurations"])
+        self.placements = list(record["logical_placements"])
+        self.exposed_generations = int(record["exposed_generations"])
+        self.checkpoint_write_errors = [
+            CheckpointWriteError.from_json(e) for e in record["checkpoint_write_errors"]
+        ]
+        for name, values in (
+            ("step_times_s", self.step_times),
+            ("step_ended_at_s", self.step_ends),
+        ):
+            values.update({int(s): t for s, t in record[name].items() if int(s) < resume_step})
+        self.events = [Event.from_record(e) for e in record["events"]]
+        self.timeline.rows = [row_from_json(r) for r in record["timeline"]]
+        self.best_progress = resume_step
 
     # -- time and events --------------------------------------------------------------
     def now(self) -> float:
@@ -130,7 +241,7 @@ class RunMetrics:
     def event(self, kind: str, **detail: Any) -> None:
         """Record an event (events list, timeline row) and print it on stderr."""
         progress, live, placement = self.snapshot()
-        self.events.append(Event(self.now(), kind, detail))
+        self.events.append(Event(self.now(), kind, detail, progress))
         self.timeline.record(
             self.now(),
             kind,
@@ -154,6 +265,9 @@ class RunMetrics:
     def recovered(
         self, generation: int, resume_step: int, seconds: float, *, in_memory: bool
     ) -> None:
+        """Training resumed after a loss (``in_memory``: a takeover, else a checkpoint read):
+        the one place a recovery is counted."""
+        self.recoveries += 1
         self.recovery_events.append(
             {
                 "generation": generation,
@@ -288,7 +402,9 @@ class RunMetrics:
         param_hash = (
             self.store.get(FINAL_HASH_KEY).decode() if self.store.check([FINAL_HASH_KEY]) else None
         )
-        samples = steps * cfg.samples_per_step
+        # This part's steps (a resumed run's earlier parts trained the ones before).
+        samples = (steps - self.part_from) * cfg.samples_per_step
+        this_part = RunPart(self.part_from, steps, "finished", round(wall, 3))
         rec = summarize_recoveries(self.timeline.rows)
         times = sorted(self.step_times.values())
         # Per-rank figures in the rank order of the last layout (the workers that finished).
@@ -308,6 +424,9 @@ class RunMetrics:
             "goodput_samples_per_s": samples / train_wall_s,
             "train_wall_s": train_wall_s,
             "wall_s": wall,
+            # Every part of the run: one, or a stopped part and its --resume(s); the counters,
+            # events and timeline below cover them all.
+            "parts": [p.to_json() for p in (*self.parts, this_part)],
             "step_time_s": times[len(times) // 2] if times else None,
             # Each step's time as its last run measured it (None: never reported).
             "step_times_s": [self.step_times.get(s) for s in range(steps)],
@@ -368,6 +487,9 @@ class RunMetrics:
             "replica_checks": max((st.replica_checks for st in stats), default=0),
             "replica_mismatches": mismatches,
             "preemptions": self.preemptions,
+            # Workers killed because they hung (a missed heartbeat, or silent long after their
+            # peers reported): losses that are not preemptions.
+            "hung_workers": sum(e.kind in HUNG_EVENTS for e in self.events),
             "recoveries": self.recoveries,
             "checkpoint_fallbacks": self.fallbacks,
             "steps_redone": self.steps_redone,
@@ -376,7 +498,7 @@ class RunMetrics:
             "recovery_summary": rec,
             "generations": generations,
             "coordinator_heavy_modules": [m for m in HEAVY_MODULES if m in sys.modules],
-            "events": [{"t_s": round(e.t_s, 3), "kind": e.kind, **e.detail} for e in self.events],
+            "events": [e.to_json() for e in self.events],
             **eval_fields(self.evaluations),
         }
 
@@ -390,78 +512,70 @@ class RunMetrics:
         )
 
     def write_timeline(self, output: Path) -> None:
-        self.timeline.write_csv(output / "timeline.csv")
-        if not self.cfg.spotline.tracking.timeline_png:
-            return
-        try:
-            self.timeline.plot_png(
-                output / "timeline.png", f"spotline: {self.cfg.spotline.model.name}"
-            )
-        except Exception as exc:  # a plot is a convenience; never fail a finished run on it
-            print(f"spotline: timeline plot skipped: {exc}", file=sys.stderr)
+        self.timeline.write(
+            output,
+            png=self.cfg.spotline.tracking.timeline_png,
+            title=f"spotline: {self.cfg.spotline.model.name}",
+        )
 
     def log_to_wandb(self, summary: dict[str, Any], output: Path) -> None:
         """Per-step losses, the evaluations (at the step their parameters trained next) and
         the recovery events, to wandb (offline unless configured). A resumed run continues
         its stopped part's wandb run (spotline.tracking: one run id per output directory)
-        and logs only the steps that part did not."""
+        and logs only the steps and events that part did not."""
         self._replay_to_wandb(
             output,
-            summary["losses"],
-            summary["learning_rates"],
-            summary["events"],
+            self.cfg.spotline.training.steps,
             evaluations=sorted(self.evaluations),
             summary=summary,
         )
 
     def log_stopped_to_wandb(self, step: int, output: Path) -> None:
         """A stopped run's part (the steps before ``step``, the checkpoint ``--resume``
-        continues from, and their evaluations) into the run's wandb run, which the resumed
-        run continues from step ``step``."""
+        continues from, their evaluations and the part's events) into the run's wandb run,
+        which the resumed run continues from step ``step``."""
         self.collect_step_values(step, refresh=True)
         self.collect_evaluations()
         self._replay_to_wandb(
-            output,
-            [self.losses.get(s) for s in range(step)],
-            [self.learning_rates.get(s) for s in range(step)],
-            [{"t_s": round(e.t_s, 3), "kind": e.kind, **e.detail} for e in self.events],
-            evaluations=sorted(s for s in self.evaluations if s < step),
-            summary=None,
+            output, step, evaluations=sorted(s for s in self.evaluations if s < step), summary=None
         )
 
     def _replay_to_wandb(
         self,
         output: Path,
-        losses: Sequence[float | None],
-        learning_rates: Sequence[float | None],
-        events: Sequence[Mapping[str, Any]],
+        steps: int,
         *,
         evaluations: Sequence[int],
         summary: dict[str, Any] | None,
     ) -> None:
+        """Log steps ``0..steps-1`` (those not logged yet), ``evaluations`` and every event
+        not logged yet, each event at the step the job had reached (at most the last one:
+        wandb's steps only grow, and the next part logs from ``steps`` on)."""
         tracking = self.cfg.spotline.tracking
         if tracking.wandb == "disabled":
             return
-        from spotline.tracking import Tracker
-
         tracker = Tracker(
             # Progress was shown live by show_progress; replaying the steps into wandb
             # must not print every line a second time.
             dataclasses.replace(tracking, progress=False),
             enabled=True,
             output_dir=output,
-            total_steps=len(losses),
+            total_steps=steps,
             run_config=self.cfg.to_json(),
         )
-        for step, (loss, lr) in enumerate(zip(losses, learning_rates, strict=True)):
-            if loss is not None:
+        events: dict[int, list[Event]] = {}
+        for event in self.events[tracker.logged_events :]:
+            events.setdefault(min(event.at_step, max(steps - 1, 0)), []).append(event)
+        for step in range(max(steps, 1)):
+            loss, lr = self.losses.get(step), self.learning_rates.get(step)
+            if step < steps and loss is not None:
                 metrics = {"loss": loss, "step_time_s": self.step_times.get(step, 0.0)}
                 tracker.log_step(step, metrics if lr is None else {**metrics, "lr": lr})
             if step in self.evaluations and step in evaluations:
                 tracker.log_eval(self.evaluations[step])
+            for event in events.get(step, []):
+                tracker.log_event(event.kind, event.detail, step=step)
         # The evaluation after the last step, at a step of its own (wandb's steps only grow).
-        for step in (s for s in evaluations if s >= len(losses)):
+        for step in (s for s in evaluations if s >= max(steps, 1)):
             tracker.log_eval(self.evaluations[step])
-        for event in events:
-            tracker.log_event(event["kind"], {k: v for k, v in event.items() if k != "kind"})
         tracker.finish(summary)

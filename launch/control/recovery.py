@@ -232,13 +232,7 @@ class Planner:
             # Measurements are noisy: an even split unless speeds clearly differ.
             assignment = even
         self.metrics.placements.append(
-            {
-                "generation": self.conductor.generation,
-                "pipelines": [
-                    {"workers": list(row), "logical_workers": list(assignment[pipeline_name(p)])}
-                    for p, row in enumerate(layout.slots)
-                ],
-            }
+            layout.logical_placement(self.conductor.generation, assignment)
         )
         return {p: tuple(ws) for p, ws in assignment.items()}
 
@@ -332,7 +326,6 @@ class Planner:
         started = self.metrics.pending_failure_t or self.metrics.now()
         self.metrics.pending_failure_t = None
         if failure:
-            self.metrics.recoveries += 1
             self._await_recovered(g, started)
         elif generation_end_t is not None:
             self._await_recovered(g, max(ready_t, generation_end_t), failure=False)

@@ -9,19 +9,22 @@ Face's ``run_clm.py``, with ``spotline.hf.Trainer`` in place of ``transformers.T
 cut into blocks of ``--block_size``, as run_clm's group_texts), or instruction records
 (``prompt``/``completion``: one example a row, padded on the right, the loss on the
 completion and an eos only). ``--validation_file`` or ``--validation_split_percentage``
-gives the eval set. The tokenizer is the one saved in the model's directory.
+gives the eval set. The tokenizer is the one saved in the model's directory. A mistake in
+the arguments (a missing file or model, a value Spotline cannot honour) is one line and exit 2.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import chain
+from pathlib import Path
 from typing import Any
 
 import datasets
 import transformers
 
-from spotline.hf import Trainer, TrainingArguments
+from spotline.errors import UserError
+from spotline.hf import Trainer, TrainingArguments, pretrained_source
 
 IGNORE = -100
 
@@ -40,6 +43,16 @@ class DataArguments:
     # A Spotline config for what TrainingArguments do not say (topology, logical workers,
     # redundancy, recovery, tracking); `spotline run --config` replaces it.
     spotline_config: str | None = None
+
+    def __post_init__(self) -> None:
+        # Checked as the arguments are parsed (as run_clm's are), not after the model loads.
+        for flag, path in (
+            ("--train_file", self.train_file),
+            ("--validation_file", self.validation_file),
+            ("--spotline_config", self.spotline_config),
+        ):
+            if path is not None and not Path(path).is_file():
+                raise UserError(f"{flag} {path}: no such file; pass the path of an existing file")
 
 
 def load_raw(data: DataArguments, seed: int) -> tuple[datasets.Dataset, datasets.Dataset | None]:
@@ -95,8 +108,9 @@ def main() -> None:
         (ModelArguments, DataArguments, TrainingArguments)  # type: ignore[arg-type]
     )
     model_args, data_args, training_args = parser.parse_args_into_dataclasses()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(model_args.model_name_or_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
+    source = pretrained_source(model_args.model_name_or_path, what="--model_name_or_path")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(source)
+    model = transformers.AutoModelForCausalLM.from_pretrained(source)
     raw_train, raw_eval = load_raw(data_args, training_args.seed)
     train = tokenize(raw_train, tokenizer, data_args.block_size)
     evaluation = None if raw_eval is None else tokenize(raw_eval, tokenizer, data_args.block_size)
