@@ -34,7 +34,6 @@ from spotline.errors import UserError
 from spotline.run_dir import TOKEN_NAME
 
 TOKEN_ENV = "SPOTLINE_JOB_TOKEN"  # how an agent hands the token to its workers
-TOKEN_FILE = TOKEN_NAME  # the coordinator's generated token, in its output directory
 _SEP = b"|"
 _MAC_LEN = 64  # hex digits of a SHA-256
 
@@ -172,7 +171,7 @@ def read_token_file(path: str | Path) -> JobToken:
         text = p.read_text()
     except FileNotFoundError:
         raise UserError(
-            f"--token-file {p}: no such file; copy the coordinator's {TOKEN_FILE} (in its "
+            f"--token-file {p}: no such file; copy the coordinator's {TOKEN_NAME} (in its "
             "--output directory) to this machine"
         ) from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -182,7 +181,7 @@ def read_token_file(path: str | Path) -> JobToken:
     except ValueError:
         raise UserError(
             f"--token-file {p}: not a job token (expected at least 32 hex digits, as the "
-            f'coordinator writes to {TOKEN_FILE}); generate one with `python -c "import '
+            f'coordinator writes to {TOKEN_NAME}); generate one with `python -c "import '
             'secrets; print(secrets.token_hex(32))"`'
         ) from None
     return token
@@ -194,12 +193,12 @@ def job_token(output: Path, token_file: str | None) -> JobToken:
     0600 (written whole, then renamed into place)."""
     if token_file is not None:
         return read_token_file(token_file)
-    path = output / TOKEN_FILE
+    path = output / TOKEN_NAME
     if path.exists():
         return read_token_file(path)
     token = JobToken.generate()
     output.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{TOKEN_FILE}.{os.getpid()}")
+    tmp = path.with_name(f".{TOKEN_NAME}.{os.getpid()}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token.text() + "\n")

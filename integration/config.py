@@ -28,6 +28,7 @@ from spotline.plan.capacity import DEFAULT_STAGES_PER_WORKER, Capacity
 from spotline.plan.chaos import parse_rescales
 from spotline.plan.policies import RecoveryMode
 from spotline.plan.shards import ReplicaKind
+from spotline.run_dir import CHECKPOINTS_DIR
 
 RedundancyMode = Literal["off", "lazy", "eager"]
 ReplicaDevice = Literal["accelerator", "host"]
@@ -286,7 +287,7 @@ class RunConfig:
         """Where a run writing to ``output`` keeps its checkpoints (``checkpoints.dir``, or
         ``output/checkpoints``): the coordinator, the workers and the CLI all ask here."""
         shared = self.spotline.checkpoints.dir
-        return Path(shared) if shared else output / "checkpoints"
+        return Path(shared) if shared else output / CHECKPOINTS_DIR
 
     def to_json(self) -> dict[str, Any]:
         out = copy.deepcopy(self.deepspeed)

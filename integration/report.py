@@ -67,6 +67,11 @@ CSV_COLUMNS = (
 THROUGHPUT_EVERY_S = 1.0
 
 
+def counted(count: int, noun: str) -> str:
+    """``count`` and ``noun``, plural unless one: "1 pipeline", "4 stages"."""
+    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
+
+
 @dataclass(frozen=True)
 class TimelineRow:
     """One recorded event: at ``t_s`` seconds since the run started, ``event`` happened at

@@ -52,7 +52,7 @@ from spotline.launch.bench.jobs import (
     run_spotline_train,
     write_config,
 )
-from spotline.launch.cli import counted
+from spotline.report import counted
 
 WARMUP_STEPS = 2
 

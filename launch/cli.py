@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from spotline.errors import UserError
 from spotline.launch.flags import add_run_flags, overrides_from_args
+from spotline.report import counted
 from spotline.run_dir import (
     ETCD_JOB_NAME,
     RESOLVED_NAME,
@@ -510,11 +511,6 @@ def validate_recovery(cfg: Any, *, startup_s: float = 0.0) -> None:
         )
     if rec.preempt_rate < 0:
         raise UserError(f"--preempt-rate {rec.preempt_rate}: expected a rate >= 0 per worker-hour")
-
-
-def counted(count: int, noun: str) -> str:
-    """``count`` and ``noun``, plural unless one: "1 pipeline", "4 stages"."""
-    return f"{count} {noun}" if count == 1 else f"{count} {noun}s"
 
 
 def format_summary(s: dict[str, Any], output: Path) -> str:

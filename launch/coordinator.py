@@ -62,7 +62,7 @@ from spotline.protocol import (
     stop_checkpoint_key,
     stop_key,
 )
-from spotline.run_dir import ETCD_JOB_NAME, RECORD_NAME
+from spotline.run_dir import ETCD_JOB_NAME, LOGS_DIR, RECORD_NAME, TOKEN_NAME
 from spotline.tracking import write_json_atomic
 
 # How often the watch reads the workers' heartbeats (a tenth of the timeout when shorter).
@@ -157,7 +157,7 @@ class Coordinator:
         # job over (the store outlived it; the workers trained on meanwhile).
         previous = read_job_file(output) if listen is not None and rec.store == "etcd" else None
         self.token = job_token(output, token_file)
-        self.token_path = Path(token_file) if token_file else output / "job-token"
+        self.token_path = Path(token_file) if token_file else output / TOKEN_NAME
         raw_store, self.store_spec = host_store(
             rec.store,
             etcd_endpoint=rec.etcd_endpoint,
@@ -234,6 +234,7 @@ class Coordinator:
                 result = EvalResult.from_json(raw)
                 self.metrics.evaluations[result.step] = result
                 self.store.set(eval_key(result.step), result.encode())
+            self.metrics.part_from = resume_from  # also for a checkpoint without a record
             record = earlier_record(output, metadata.get(RECORD))
             if record is not None:
                 self.metrics.continue_record(record, resume_step=resume_from)
@@ -536,7 +537,7 @@ class Coordinator:
         self.local_agent = start_local_agent(
             self.store_spec.to_arg(),
             slots=self.faults.initial_workers(),
-            logs=self.output / "logs",
+            logs=self.output / LOGS_DIR,
             env=self.supervisor.env,
             lost_after_s=LOCAL_AGENT_LOST_AFTER_S,
             token_file=self.token_path,
@@ -932,12 +933,12 @@ class Coordinator:
             from spotline.stores import delete_etcd_prefix
 
             delete_etcd_prefix(self.store_spec)
-        (self.output / JOB_FILE).unlink(missing_ok=True)  # nothing left to take over
+        (self.output / ETCD_JOB_NAME).unlink(missing_ok=True)  # nothing left to take over
 
     def shutdown(self) -> None:
         """Stop every worker (Ctrl-C or a coordinator error): nothing is left running, and
         nothing for a restarted coordinator to take over."""
-        (self.output / JOB_FILE).unlink(missing_ok=True)
+        (self.output / ETCD_JOB_NAME).unlink(missing_ok=True)
         self.supervisor.shutdown()
         try:
             self._end_agents()
@@ -974,11 +975,8 @@ class Coordinator:
         self.metrics.log_stopped_to_wandb(step, self.output)
 
 
-JOB_FILE = ETCD_JOB_NAME  # the running job's store, for a restarted coordinator
-
-
 def write_job_file(output: Path, spec: StoreSpec) -> None:
-    write_json_atomic(output / JOB_FILE, {"store": spec.to_arg()})
+    write_json_atomic(output / ETCD_JOB_NAME, {"store": spec.to_arg()})
 
 
 def earlier_record(output: Path, committed: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -997,7 +995,7 @@ def read_job_file(output: Path) -> StoreSpec | None:
     """The etcd job a coordinator with this ``--output`` ran and did not end (None: none)."""
     from spotline.stores import parse_store_arg
 
-    path = output / JOB_FILE
+    path = output / ETCD_JOB_NAME
     if not path.exists():
         return None
     spec = parse_store_arg(json.loads(path.read_text())["store"])

@@ -63,6 +63,7 @@ from spotline.launch.bench.machines import (
     start_coordinator,
     worker_pid,
 )
+from spotline.run_dir import LOGS_DIR, TOKEN_NAME
 
 VARIANTS = ("machine-kill", "link-down", "single-machine")
 WORKERS, STAGES = 4, 2
@@ -110,14 +111,14 @@ def run_loss(
                                         *TOPOLOGY), err,
             )  # fmt: skip
             procs: list[subprocess.Popen[Any]] = [coordinator]
-            logs = [out / "logs"]
+            logs = [out / LOGS_DIR]
             machine_of = [hosts[0]]
         else:
             head, *agents_at = hosts
             coordinator, watch, join = start_coordinator(head, config, out, err, TOPOLOGY)
             logs = [run_dir / "agents" / f"m{i}" for i in range(1, len(agents_at) + 1)]
             procs = [coordinator] + [
-                start_agent(host, join, f"m{i}", logs[i - 1], out / "job-token",
+                start_agent(host, join, f"m{i}", logs[i - 1], out / TOKEN_NAME,
                             run_dir / f"agent-m{i}.err")
                 for i, host in enumerate(agents_at, start=1)
             ]  # fmt: skip

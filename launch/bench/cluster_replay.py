@@ -65,6 +65,7 @@ from spotline.launch.bench.machines import (
     start_coordinator,
 )
 from spotline.plan.traces import Trace
+from spotline.run_dir import TOKEN_NAME
 from spotline.tracking import write_json_atomic
 
 # The shipped p3 trace, wherever the package is installed (integration/assets/traces here).
@@ -246,7 +247,7 @@ def run_cluster(
     with ExitStack() as stack:
         head, *hosts = namespace_machines(stack, 1 + machines + SPARE_MACHINES)
         coordinator, watch, join = start_coordinator(head, config, out, err, flags)
-        cloud = Cloud(hosts, run_dir, join, out / "job-token")
+        cloud = Cloud(hosts, run_dir, join, out / TOKEN_NAME)
         for node in initial:
             cloud.boot(node, nice=0)  # nothing trains yet: at the normal priority
         start = watch.wait(r"machine\(s\) joined with (\d+) of the \1 slots", [coordinator], 600)

@@ -54,7 +54,7 @@ from spotline.launch.bench.jobs import (
     write_config,
 )
 from spotline.launch.bench.rank_group import finish_rank_group, start_rank_group
-from spotline.launch.cli import counted
+from spotline.report import counted
 
 STOCK_MODULE = "spotline.launch.bench.stock_worker"
 

@@ -27,6 +27,7 @@ from spotline.launch.control.liveness import LivenessProbe
 from spotline.launch.control.machines import AgentProcess, Machines
 from spotline.launch.control.metrics import RunMetrics
 from spotline.protocol import error_key, heartbeat_key, joined_key
+from spotline.run_dir import LOGS_DIR
 
 Fate = Literal["running", "killed", "terminated", "left", "exited", "crashed", "restarted"]
 SHUTDOWN_WAIT_S = 30
@@ -88,7 +89,7 @@ class Supervisor:
         its id."""
         wid = f"w{self.next_index}"
         self.next_index += 1
-        logs = self.output / "logs"
+        logs = self.output / LOGS_DIR
         logs.mkdir(parents=True, exist_ok=True)
         argv = [
             "--config",
