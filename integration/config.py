@@ -1,10 +1,11 @@
 """Spotline's settings, kept in the ``"spotline"`` section of a DeepSpeed config JSON.
 
 One JSON file configures both DeepSpeed (its usual top-level keys) and Spotline (the
-``"spotline"`` object, with one sub-section per concern). Parsing is strict: an unknown key
-or a value of the wrong type is a :class:`~spotline.errors.UserError` that names the key
-path and the expected form, because a typo that silently falls back to a default is the
-most expensive kind of bug on a cluster.
+``"spotline"`` object, with one sub-section per concern). Parsing is strict
+(``spotline.config_reader``): an unknown key or a value of the wrong type is a
+:class:`~spotline.errors.UserError` that names the key path and the expected form, because a
+typo that silently falls back to a default is the most expensive kind of bug on a cluster.
+Whether a config may continue a stopped run: ``spotline.config_resume``.
 
 This module is pure (no torch, no DeepSpeed): the launcher validates a config before any
 worker process starts.
@@ -15,27 +16,26 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import types
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, Literal, TypeVar, Union
+from typing import Any, Literal
 
+from spotline.config_reader import parse_section
 from spotline.errors import UserError
-from spotline.model_config import preset_blocks
+from spotline.models.model_config import preset_blocks
 from spotline.plan.capacity import DEFAULT_STAGES_PER_WORKER, Capacity
 from spotline.plan.chaos import parse_rescales
 from spotline.plan.policies import RecoveryMode
+from spotline.plan.redundancy_mode import RedundancyMode, redundancy_on
 from spotline.plan.shards import ReplicaKind
 from spotline.run_dir import CHECKPOINTS_DIR
 
-RedundancyMode = Literal["off", "lazy", "eager"]
 ReplicaDevice = Literal["accelerator", "host"]
 StoreBackend = Literal["tcp", "etcd"]
 OnWriteError = Literal["stop", "continue"]
 WandbMode = Literal["offline", "online", "disabled"]
-# How instruction records fill rows of seq_len + 1 tokens (spotline.instructions).
+# How instruction records fill rows of seq_len + 1 tokens (spotline.data.instructions).
 InstructionLayout = Literal["pack", "pad"]
 
 
@@ -58,7 +58,7 @@ class DataSection:
     path: str | None = None
     tokenizer: str | None = None
     # Instruction records only: "pack" puts whole examples one after another in a row,
-    # "pad" one example a row (spotline.instructions). Text records ignore it.
+    # "pad" one example a row (spotline.data.instructions). Text records ignore it.
     instruction_layout: InstructionLayout = "pack"
 
 
@@ -129,6 +129,11 @@ class RedundancySection:
     # Lazy only (eager runs the successor's forward, which needs all its parameters).
     replica: ReplicaKind = "full"
 
+    @property
+    def on(self) -> bool:
+        """Whether this run keeps replicas (every mode but ``off``)."""
+        return redundancy_on(self.mode)
+
 
 @dataclass(frozen=True)
 class ElasticitySection:
@@ -187,7 +192,8 @@ class RecoverySection:
     replace_after_s: float = 45.0  # trace time until a preempted worker is replaced
     max_workers: int | None = None  # local cap for trace replay (default: --workers)
     # Processes started ahead of trace (or random-preemption) arrivals, so that an arrival is
-    # a started process as a cloud node is a booted machine (see Coordinator._keep_warm).
+    # a started process as a cloud node is a booted machine (FaultDelivery.keep_warm, in
+    # spotline.launch.control.faults).
     warm_workers: int = 1
     # checkpoint-restart with checkpoints.interval_steps 0: the Young/Daly interval
     # sqrt(2 * cost * MTBF) needs these estimates (seconds).
@@ -276,7 +282,7 @@ class RunConfig:
         """What one worker holds at most, for the planner (``redundancy.stages_per_worker``,
         replicas counted unless ``redundancy.mode`` is off)."""
         redundancy = self.spotline.redundancy
-        return Capacity(redundancy.stages_per_worker, replicas=redundancy.mode != "off")
+        return Capacity(redundancy.stages_per_worker, replicas=redundancy.on)
 
     @property
     def samples_per_step(self) -> int:
@@ -314,103 +320,9 @@ DEFAULT_DEEPSPEED: dict[str, Any] = {
     "wall_clock_breakdown": False,
 }
 
-_T = TypeVar("_T")
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return " or ".join(json.dumps(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    if origin is dict:
-        return "an object"
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(
-        tp, str(tp)
-    )
-
-
-# What _converted returns for a value of the wrong type (None is a valid value).
-_MISMATCH: Final = object()
-
-
-def _check_value(path: str, value: Any, tp: Any) -> Any:
-    """``value`` of config key ``path`` as its field type ``tp`` wants it (a section parsed,
-    a float made of an int), or a UserError naming what was expected."""
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        return _check_union(path, value, tp)
-    checked = _converted(path, value, tp)
-    if checked is _MISMATCH:
-        raise UserError(f"config key '{path}' is {json.dumps(value)}; expected {_type_name(tp)}")
-    return checked
-
-
-def _check_union(path: str, value: Any, tp: Any) -> Any:
-    """The first arm of the union ``tp`` that accepts ``value``."""
-    for arm in typing.get_args(tp):
-        try:
-            return _check_value(path, value, arm)
-        except UserError:
-            continue
-    raise UserError(f"config key '{path}' is {json.dumps(value)}; expected {_type_name(tp)}")
-
-
-def _converted(path: str, value: Any, tp: Any) -> Any:
-    """``value`` as the non-union type ``tp`` wants it, or ``_MISMATCH``."""
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return value if value in typing.get_args(tp) else _MISMATCH
-    if tp is type(None):
-        return None if value is None else _MISMATCH
-    if origin is dict:
-        return dict(value) if isinstance(value, dict) else _MISMATCH
-    if origin is list:
-        (item_type,) = typing.get_args(tp)
-        if not isinstance(value, list):
-            return _MISMATCH
-        return [_check_value(f"{path}[{i}]", v, item_type) for i, v in enumerate(value)]
-    if tp in (bool, int, float, str):
-        return _scalar(value, tp)
-    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        return _parse_section(path, value, tp) if isinstance(value, dict) else _MISMATCH
-    # A field type this parser does not know is a programming error.
-    raise AssertionError(f"unsupported config field type {tp!r} at {path}")  # pragma: no cover
-
-
-def _scalar(value: Any, tp: type) -> Any:
-    """``value`` as the JSON scalar type ``tp`` (bool, int, float, str), or ``_MISMATCH``."""
-    if isinstance(value, bool):
-        # bool is an int subclass in Python; `true` for a count is a mistake, not 1.
-        return value if tp is bool else _MISMATCH
-    if tp is int:
-        return value if isinstance(value, int) else _MISMATCH
-    if tp is float:
-        return float(value) if isinstance(value, (int, float)) else _MISMATCH
-    if tp is str:
-        return value if isinstance(value, str) else _MISMATCH
-    return _MISMATCH  # tp is bool, value is not
-
-
-def _parse_section(path: str, raw: Mapping[str, Any], cls: type[_T]) -> _T:
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-    kwargs: dict[str, Any] = {}
-    for key, value in raw.items():
-        if key not in hints:
-            raise UserError(
-                f"config key '{path}.{key}' is unknown; expected one of: {', '.join(names)}"
-            )
-        kwargs[key] = _check_value(f"{path}.{key}", value, hints[key])
-    return cls(**kwargs)
-
-
 # DeepSpeed's schedulers whose rate (and OneCycle's momentum) is a function of the step
 # alone, which is what lets every engine, replica and roll-forward agree after a recovery
-# (spotline.lr_schedule). torch.optim's schedulers keep state of their own.
+# (spotline.pipeline.lr_schedule). torch.optim's schedulers keep state of their own.
 SUPPORTED_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 # A recovery moves Adam's state (step, exp_avg, exp_avg_sq) between processes by name.
 SUPPORTED_OPTIMIZERS = ("adam", "adamw")
@@ -506,7 +418,7 @@ def _check_capacity(redundancy: RedundancySection) -> None:
             f"config key 'spotline.redundancy.stages_per_worker' is {stages}; expected an "
             "integer >= 1 (logical stages one worker holds, its own and its replicas)"
         )
-    if stages < 2 and redundancy.mode != "off":
+    if stages < 2 and redundancy.on:
         raise UserError(
             f"config key 'spotline.redundancy.stages_per_worker' is {stages} but redundancy "
             f"mode {redundancy.mode!r} keeps a replica beside each worker's own stage; use at "
@@ -640,7 +552,7 @@ def parse_config(raw: Mapping[str, Any], source: str = "<built-in default>") -> 
     section = raw.get("spotline", {})
     if not isinstance(section, Mapping):
         raise UserError(f"config key 'spotline' is {json.dumps(section)}; expected an object")
-    spotline = _parse_section("spotline", section, SpotlineConfig)
+    spotline = parse_section("spotline", section, SpotlineConfig)
     cfg = RunConfig(deepspeed=merged, spotline=spotline, source=source)
     validate(cfg)
     return cfg
@@ -678,88 +590,3 @@ def with_overrides(cfg: RunConfig, overrides: Mapping[str, Any]) -> RunConfig:
             node = node.setdefault(part, {})
         node[leaf] = value
     return parse_config(raw, source=cfg.source)
-
-
-# DeepSpeed keys that change what is printed or profiled, never the parameters.
-_DEEPSPEED_NOT_MATH = frozenset(
-    {
-        "steps_per_print",
-        "wall_clock_breakdown",
-        "memory_breakdown",
-        "dump_state",
-        "tensorboard",
-        "wandb",
-        "csv_monitor",
-        "comet",
-        "comms_logger",
-        "flops_profiler",
-    }
-)
-
-
-def _first_difference(path: str, old: Any, new: Any) -> str | None:
-    """The dotted path of the first (sorted) key where two JSON values differ, or None."""
-    if isinstance(old, dict) and isinstance(new, dict):
-        for key in sorted(set(old) | set(new)):
-            if key not in old or key not in new:
-                return f"{path}.{key}" if path else key
-            found = _first_difference(f"{path}.{key}" if path else key, old[key], new[key])
-            if found is not None:
-                return found
-        return None
-    return None if old == new else path
-
-
-def _lookup(raw: Mapping[str, Any], dotted: str) -> Any:
-    node: Any = raw
-    for part in dotted.split("."):
-        if not isinstance(node, Mapping) or part not in node:
-            return None
-        node = node[part]
-    return node
-
-
-def resume_mismatch(stopped: RunConfig, resumed: RunConfig) -> str | None:
-    """Why ``resumed`` cannot continue the run ``stopped`` was (None: it can).
-
-    Everything that decides the math must be equal: every DeepSpeed key but printing and
-    profiling ones (micro-batch size, gradient accumulation, optimizer, scheduler, clipping,
-    precision), the model, the data, the evaluation (a held-out fraction decides the rows
-    trained on; the rest, what the evaluations of the stopped run were), the seed, the
-    logical topology (stages and logical workers) and determinism. Placement, redundancy, recovery, checkpointing and tracking may
-    change; the number of steps may only grow. The answer is one line naming the key.
-    """
-    old_ds = {k: v for k, v in stopped.deepspeed.items() if k not in _DEEPSPEED_NOT_MATH}
-    new_ds = {k: v for k, v in resumed.deepspeed.items() if k not in _DEEPSPEED_NOT_MATH}
-    old_json, new_json = stopped.to_json(), resumed.to_json()
-    key = _first_difference("", old_ds, new_ds)
-    if key is None:
-        old_sl = old_json["spotline"]
-        new_sl = new_json["spotline"]
-        for section in ("model", "data", "evaluation", "determinism"):
-            key = _first_difference(f"spotline.{section}", old_sl[section], new_sl[section])
-            if key is not None:
-                break
-    if key is None:
-        for dotted in ("spotline.training.seed", "spotline.topology.stages"):
-            if _lookup(old_json, dotted) != _lookup(new_json, dotted):
-                key = dotted
-                break
-    if key is None and stopped.num_pipelines != resumed.num_pipelines:
-        return (
-            f"spotline.elasticity.logical_workers is {resumed.num_pipelines} here but "
-            f"{stopped.num_pipelines} in the stopped run; it decides the math and must match "
-            f"(pass --logical-workers {stopped.num_pipelines})"
-        )
-    if key is not None:
-        old_value, new_value = _lookup(old_json, key), _lookup(new_json, key)
-        return (
-            f"{key} is {json.dumps(new_value)} here but {json.dumps(old_value)} in the stopped "
-            "run; it decides the math and must match"
-        )
-    if resumed.spotline.training.steps < stopped.spotline.training.steps:
-        return (
-            f"spotline.training.steps is {resumed.spotline.training.steps} here but "
-            f"{stopped.spotline.training.steps} in the stopped run; a resume may only extend a run"
-        )
-    return None

@@ -3,13 +3,13 @@
 ``data_collator``, ``processing_class``).
 
 The constructor turns what the script built into a *job*: the model as a
-``save_pretrained`` directory, the datasets as token rows (``spotline.data.RowsCorpus``:
+``save_pretrained`` directory, the datasets as token rows (``spotline.data.corpus.RowsCorpus``:
 ``input_ids`` and unshifted ``labels``, -100 where nothing is learned) and the
 :class:`TrainingArguments` as Spotline config keys (:func:`job_keys`). What runs next
 depends on how the script was started:
 
 - ``python SCRIPT.py``: the job is written to ``output_dir/hf-job`` and :meth:`Trainer.train`
-  trains it in this one process (``spotline.trainer.run_worker`` with one worker and one
+  trains it in this one process (``spotline.worker.launched.run_worker`` with one worker and one
   stage: the pipeline engine every entry point runs), into ``output_dir``.
 - ``spotline run SCRIPT.py``: the command runs the script once in a child with
   :data:`MODE_ENV` set to :data:`DESCRIBE`; the constructor writes the job where
@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from spotline.config import RunConfig, parse_config, with_overrides
-from spotline.data import IGNORE_LABEL, ROWS_SUFFIX
+from spotline.data.corpus import IGNORE_LABEL, ROWS_SUFFIX
 from spotline.errors import UserError
 
 # A script imports the model's source from here with the Trainer; importing it installs the
@@ -349,7 +349,7 @@ def write_job(
     script: ScriptCall | None = None,
 ) -> Job:
     """Write the job of a Trainer's arguments into ``job_dir`` (new or emptied)."""
-    from spotline.data import save_rows
+    from spotline.data.corpus import save_rows
 
     keys, train, evaluation = _job_parts(args, train_dataset, eval_dataset, data_collator)
     seq_len = int(train[0].shape[1])
@@ -420,7 +420,7 @@ def check_job(
     if (evaluation is not None) != job.has_eval:
         raise UserError(differs.format("eval_dataset") + hint)
     for name, (ids, labels) in saved_rows:
-        with np.load(job_dir / name) as saved:  # as spotline.data.save_rows wrote them
+        with np.load(job_dir / name) as saved:  # as spotline.data.corpus.save_rows wrote them
             same = np.array_equal(saved["input_ids"], ids) and np.array_equal(
                 saved["labels"], labels
             )
@@ -550,7 +550,7 @@ class Trainer:
             job = write_job(job_dir, **parts)
             self.cfg = build_config(job, job_dir, config_path=spotline_config, flags={}, plain=True)
             # The mistakes spotline run reports before any process starts, reported here too.
-            from spotline.trainer import prepare_inputs
+            from spotline.data.inputs import prepare_inputs
 
             prepare_inputs(self.cfg)
         except UserError:
@@ -568,7 +568,7 @@ class Trainer:
         machine lost, an error) ends the script here with its exit code."""
         if os.environ.get(MODE_ENV) == WORKER:
             return _worker_train()
-        from spotline.trainer import run_worker
+        from spotline.worker.launched import run_worker
 
         env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
         for name, value in env.items():

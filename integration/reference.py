@@ -11,12 +11,12 @@ order DeepSpeed performs it:
   over the micro-batches (on the pipeline they live on different stages) and are added
   once at the end (``ReduceTiedGrads``); so the reference unties the two parameters and
   adds their gradients itself;
-- the data-parallel reduction is Spotline's exact one (``spotline.exact.LogicalGradients``,
+- the data-parallel reduction is Spotline's exact one (``spotline.exact.reduction.LogicalGradients``,
   here without communication) over the logical pipelines' gradients, then scaled by
   1/pipelines; the reported loss is each pipeline's mean, added in pipeline order, divided
   by their number;
 - torch's AdamW with the config's hyper-parameters;
-- the evaluations (``spotline.evaluation.evaluate_model``: the same micro-batches, token
+- the evaluations (``spotline.worker.validator.evaluate_model``: the same micro-batches, token
   loss sums and exact reduction as the pipeline's) at the same steps, and the parameters
   of the best one.
 
@@ -30,23 +30,23 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from spotline import models
-from spotline.clipping import apply_clip, clip_coefficient, per_layer_sq_norms
 from spotline.config import RunConfig
-from spotline.evaluation import EvalSet, evaluate_model
-from spotline.exact import LogicalGradients
+from spotline.exact.reduction import LogicalGradients
+from spotline.models import layers as models
+from spotline.pipeline.clipping import apply_clip, clip_coefficient, per_layer_sq_norms
 from spotline.plan.evaluation import improves, is_due, perplexity
 from spotline.plan.sampler import GlobalSampler
-from spotline.protocol import EvalResult
+from spotline.reports.tracking import eval_fields
 from spotline.runtime import configure_process, param_sha256, seed_everything
-from spotline.tracking import eval_fields
+from spotline.wire.protocol import EvalResult
+from spotline.worker.validator import EvalSet, evaluate_model
 
 if TYPE_CHECKING:
     import transformers
 
 
 class _Evaluations:
-    """The reference's evaluations, as the pipeline's ``spotline.evaluation.Evaluator`` makes
+    """The reference's evaluations, as the pipeline's ``spotline.worker.validator.Evaluator`` makes
     them, and the parameters of the best one."""
 
     def __init__(self, cfg: RunConfig, eval_set: EvalSet | None, hf_names: set[str]) -> None:
@@ -76,7 +76,8 @@ def train_reference(cfg: RunConfig) -> dict[str, Any]:
     """Train ``cfg`` in this process; returns ``losses``, ``param_sha256``, ``eval`` and
     ``best_eval`` like summary.json, the final ``parameters`` and the best evaluation's
     (``best_parameters``, None without evaluations)."""
-    from spotline.trainer import prepare_inputs, pretrained_dir_of
+    from spotline.data.inputs import prepare_inputs
+    from spotline.worker.engine_builder import pretrained_dir_of
 
     sl = cfg.spotline
     configure_process(
@@ -154,7 +155,7 @@ def train_reference(cfg: RunConfig) -> dict[str, Any]:
             loss_sum = loss_sum + per_pipeline_loss[pipeline]
         losses.append(float(loss_sum / num_pipelines if num_pipelines > 1 else loss_sum))
         if max_norm > 0:
-            # The same placement-independent norm as the pipeline engine (spotline.clipping).
+            # The same placement-independent norm as the pipeline engine (spotline.pipeline.clipping).
             named_grads = models.hf_to_layer_names(
                 # A missing gradient counts as nothing, as a None one does in per_layer_sq_norms.
                 {

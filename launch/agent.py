@@ -1,14 +1,14 @@
 """``spotline agent``: one per machine. It joins the job, starts and signals the workers the
 coordinator orders on this machine, and reports how each ended.
 
-The agent talks to the coordinator only through the job's store (``spotline.protocol``): it
-registers its machine (:class:`~spotline.protocol.MachineInfo`: name, slots, the address its
-peers reach it at), heartbeats, reads its orders (:class:`~spotline.protocol.Order`, numbered
+The agent talks to the coordinator only through the job's store (``spotline.wire.protocol``): it
+registers its machine (:class:`~spotline.wire.protocol.MachineInfo`: name, slots, the address its
+peers reach it at), heartbeats, reads its orders (:class:`~spotline.wire.protocol.Order`, numbered
 ``order/<machine>/1, 2, ...``) and writes each worker's exit status (``exit/<w>``). Workers
 are forked by a :class:`~spotline.launch.control.spawner.Spawner` that imported the training
 stack once, so an order's worker starts in a fraction of a second. Everything it writes is
 sealed with the job token (``--token-file``, handed to its workers in ``SPOTLINE_JOB_TOKEN``;
-``spotline.auth``) and every order it reads must verify with it.
+``spotline.wire.auth``) and every order it reads must verify with it.
 
 How it ends:
 
@@ -33,7 +33,6 @@ import os
 import select
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -42,7 +41,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
-from spotline.auth import (
+from spotline.errors import UserError
+from spotline.launch.control.entry_points import WORKER_MODULE
+from spotline.launch.control.spawner import ForkedProcess, Spawner
+from spotline.wire.agent_messages import Admission, MachineInfo, Order
+from spotline.wire.auth import (
     TOKEN_ENV,
     AuthStore,
     JobToken,
@@ -50,14 +53,9 @@ from spotline.auth import (
     read_token_file,
     unsealed_payload,
 )
-from spotline.errors import UserError
-from spotline.launch.control.spawner import ForkedProcess, Spawner
-from spotline.protocol import (
+from spotline.wire.protocol import (
     JOB_END_KEY,
     MACHINES_COUNTER,
-    Admission,
-    MachineInfo,
-    Order,
     admit_key,
     agent_done_key,
     agent_heartbeat_key,
@@ -69,10 +67,10 @@ from spotline.protocol import (
 )
 
 if TYPE_CHECKING:
-    from spotline.net import Binding
-    from spotline.stores import StoreSpec
+    from spotline.wire.net import Binding
+    from spotline.wire.stores import StoreSpec
 
-EXIT_COORDINATOR_LOST = 3  # as a worker that loses its coordinator (spotline.elastic)
+EXIT_COORDINATOR_LOST = 3  # as a worker that loses its coordinator (spotline.worker.elastic)
 EXIT_FENCED = 4  # declared lost while cut off: its workers were replaced
 EXIT_REFUSED = 2  # a user's mistake: no job token, or a wrong one
 # How often a registration's answer is looked for.
@@ -85,8 +83,9 @@ POLL_S = 0.01
 # exit arrives on the pipe. An agent that looked for orders every 10 ms instead took 1.8%
 # of a core from the workers of a 2-core host, and the coordinator 0.5% more serving it.
 HEARTBEAT_S = 0.1
-DEFAULT_PRELOAD = "spotline.launch.elastic_worker"
-LOCAL_MACHINE = "local"
+# What the spawner imports once by default: the workers' own module (the coordinator orders
+# every worker as ``python -m WORKER_MODULE``).
+DEFAULT_PRELOAD = WORKER_MODULE
 SPAWNER_READY_WAIT_S = 300.0
 SIGNALS = {"kill": signal.SIGKILL, "term": signal.SIGTERM}
 
@@ -393,7 +392,7 @@ def build_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def _parse_join(text: str) -> StoreSpec:
     """``HOST:PORT`` (the coordinator's store) or a store URL (``tcp://HOST:PORT``,
     ``etcd://HOST:PORT/PREFIX``: what its workers are given as ``--store``)."""
-    from spotline.stores import StoreSpec, parse_store_arg
+    from spotline.wire.stores import StoreSpec, parse_store_arg
 
     if "://" in text:
         return parse_store_arg(text)
@@ -428,7 +427,7 @@ def run_agent(args: argparse.Namespace) -> int:
     # Bad input is one line before anything starts (a store URL is checked with torch, next).
     if "://" not in args.join:
         _split_join(args.join)
-    from spotline.net import resolve
+    from spotline.wire.net import resolve
 
     explicit: Binding | None = None
     if args.address is not None or args.iface is not None:
@@ -456,8 +455,8 @@ def _bind_join_and_serve(
 ) -> int:
     """The rest of :func:`run_agent` once the spawner imports: the store, this machine's
     binding (``explicit``: --address or --iface), the join and the loop."""
-    spec = _parse_join(args.join)  # imports torch (spotline.stores)
-    from spotline.net import gloo_environment, resolve
+    spec = _parse_join(args.join)  # imports torch (spotline.wire.stores)
+    from spotline.wire.net import gloo_environment, resolve
 
     # Else the interface that routes to the coordinator.
     binding = explicit or resolve(address=local_address(spec.host, spec.port))
@@ -466,7 +465,7 @@ def _bind_join_and_serve(
         # host name happens to resolve. One machine's `spotline train` (loopback) keeps
         # gloo's default.
         env.update(gloo_environment(binding.ifname))
-    # The liveness port (see spotline.launch.control.liveness): while this process lives,
+    # The liveness port (see spotline.launch.control.liveness_probe): while this process lives,
     # the kernel completes connects to it; once it is gone, they are refused.
     listener = socket.create_server((binding.ip, 0), backlog=16)
     listener.setblocking(False)
@@ -488,7 +487,7 @@ def _join_and_serve(
     spec: StoreSpec,
     listener: socket.socket,
 ) -> int:
-    from spotline.stores import connect_store
+    from spotline.wire.stores import connect_store
 
     try:
         _wait_reachable(spec.host, spec.port, args.lost_after)
@@ -550,28 +549,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def start_local_agent(
-    store_arg: str,
-    *,
-    slots: int,
-    logs: Path,
-    env: dict[str, str],
-    lost_after_s: float,
-    token_file: Path,
-) -> subprocess.Popen[bytes]:
-    """``spotline train``'s one machine: an agent process on this one (named ``local``),
-    joined to the coordinator's store ``store_arg``; its output goes to ``logs/agent.log``."""
-    logs.mkdir(parents=True, exist_ok=True)
-    with open(logs / "agent.log", "ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "spotline.launch.agent", "--join", store_arg]
-            + ["--slots", str(slots), "--name", LOCAL_MACHINE, "--logs", str(logs)]
-            + ["--lost-after", f"{lost_after_s:g}", "--token-file", str(token_file)],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            # Its own session: a Ctrl-C at the terminal reaches the coordinator only.
-            start_new_session=True,
-        )

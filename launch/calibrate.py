@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 from statistics import median
-from typing import Any, NoReturn
+from typing import Any
 
 from spotline.errors import UserError
 from spotline.launch.bench.jobs import (
@@ -52,18 +52,14 @@ from spotline.launch.bench.jobs import (
     run_spotline_train,
     write_config,
 )
-from spotline.report import counted
+from spotline.launch.flags import UsageErrorParser
+from spotline.reports.timeline import counted
 
 WARMUP_STEPS = 2
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UserError(f"calibrate: {message}; see spotline calibrate --help")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="spotline calibrate", description=__doc__.splitlines()[0])
+    parser = UsageErrorParser(prog="spotline calibrate", description=__doc__.splitlines()[0])
     parser.add_argument("--config", help="base config (default: the built-in one)")
     parser.add_argument("--stages", type=int, default=2, help="pipeline stages (default 2)")
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
@@ -336,8 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def work(args: argparse.Namespace) -> int:
+        from spotline.atomic_files import write_json_atomic
         from spotline.sim.calibration import load_calibration
-        from spotline.tracking import write_json_atomic
 
         table = calibration_table(measure(args))
         output = Path(args.output)

@@ -1,12 +1,12 @@
 """One worker process of ``spotline train`` (started by the coordinator's supervisor,
 ``launch/control/supervisor.py``, as ``python -m spotline.launch.elastic_worker``).
 
-Runs a :class:`spotline.elastic.ElasticWorker` against the coordinator's store until the
-plans say finish; for ``spotline run``, inside the user's script (``spotline.hf``: its
-Trainer's ``train()`` is that run). Exit codes: 0 done (or left), 2 a user mistake, 1 an error (its cause told
-to the coordinator as ``error/<worker>``), 3 the coordinator is gone. The processes of
-``deepspeed launch/train.py`` are another kind, started by DeepSpeed's launcher:
-``launch/worker.py``.
+Runs a :class:`spotline.worker.elastic.ElasticWorker` against the coordinator's store until
+the plans say finish; for ``spotline run``, inside the user's script (``spotline.hf``: its
+Trainer's ``train()`` is that run). Exit codes: 0 done (or left), 2 a user mistake, 1 an
+error (its cause told to the coordinator as ``error/<worker>``), 3 the coordinator is gone
+(``spotline.worker.liveness.EXIT_COORDINATOR_LOST``). The processes of ``deepspeed
+launch/train.py`` are another kind, started by DeepSpeed's launcher: ``launch/worker.py``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import traceback
 from pathlib import Path
 
 from spotline.config import load_config
-from spotline.elastic import EXIT_COORDINATOR_LOST, ElasticWorker
 from spotline.errors import UserError, one_line
 from spotline.hf import JOB_DIR, JOB_FILE, Job, run_script_in_worker
-from spotline.protocol import error_key
+from spotline.wire.protocol import error_key
+from spotline.worker.elastic import ElasticWorker
+from spotline.worker.liveness import EXIT_COORDINATOR_LOST
 
 # What every worker imports lazily once it runs, imported here at the module's import: the
 # agent's spawner imports this module once and forks the workers from it, so they share
@@ -77,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:
         # A store operation failed because the coordinator is gone (SIGKILLed, its machine
         # lost): one line, not a DistNetworkError traceback.
-        if worker is not None and worker.coordinator_lost():
-            worker.say_coordinator_lost()
+        if worker is not None and worker.liveness.coordinator_lost():
+            worker.liveness.say_coordinator_lost()
             # Gloo's threads and sockets to the peers must not run interpreter teardown.
             os._exit(EXIT_COORDINATOR_LOST)
         # An error outside a generation (reading a checkpoint, loading the data): the

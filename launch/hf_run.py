@@ -28,6 +28,14 @@ from pathlib import Path
 
 from spotline.errors import UserError
 from spotline.launch.flags import overrides_from_args
+from spotline.launch.train_command import (
+    build_train_parser,
+    check_new_output,
+    cmd_train,
+    fail,
+    start_run,
+    validate_recovery,
+)
 
 USAGE = "spotline run [--config C --workers N ...] SCRIPT.py [script args]"
 
@@ -51,8 +59,7 @@ def _describe(script: str, script_args: list[str], job_dir: Path) -> int:
 
 def _run(args: argparse.Namespace, script: str, script_args: list[str]) -> int:
     from spotline.hf import JOB_DIR, Job, build_config
-    from spotline.launch.cli import check_new_output, fail, start_run, validate_recovery
-    from spotline.launch.control.inputs import check_inputs
+    from spotline.launch.control.input_check import check_inputs
 
     if not Path(script).is_file():
         return fail(f"spotline run: {script}: no such file; pass the path of your script")
@@ -91,8 +98,6 @@ def _run(args: argparse.Namespace, script: str, script_args: list[str]) -> int:
 
 def main(argv: list[str]) -> int:
     """``spotline run``'s arguments (after ``run``); the exit code."""
-    from spotline.launch.cli import build_train_parser, cmd_train, fail
-
     ours, script, script_args = _split(argv)
     parser = argparse.ArgumentParser(prog="spotline run", usage=USAGE)
     build_train_parser(parser)

@@ -4,9 +4,9 @@
 
 (``--num_accelerators`` on CPU-only machines; DS_ACCELERATOR=cpu). The launcher sets RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT and LOCAL_RANK and appends ``--local_rank``; the number
-of workers is the launcher's world size. Each rank runs ``spotline.trainer.run_worker``
-(through ``launch/worker.py``): the same config, flags, engine (``spotline.engine``,
-``spotline.redundancy``), global sampler, step loop (``spotline.loop``) and summary as
+of workers is the launcher's world size. Each rank runs ``spotline.worker.launched.run_worker``
+(through ``launch/worker.py``): the same config, flags, engine (``spotline.pipeline.engine``,
+``spotline.pipeline.redundancy``), global sampler, step loop (``spotline.worker.loop``) and summary as
 ``spotline train``, with none of its recovery hooks (DeepSpeed's launcher kills every rank
 when one exits).
 """

@@ -2,7 +2,7 @@
 train``'s workers are another kind of process, ``launch/elastic_worker.py``).
 
 Reads its rank from the environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and a
-resolved config file, and trains with ``spotline.trainer.run_worker`` (the shared step loop,
+resolved config file, and trains with ``spotline.worker.launched.run_worker`` (the shared step loop,
 no recovery). A user mistake found here is printed once, by rank 0, and exits 2.
 """
 
@@ -26,18 +26,18 @@ def run(config_path: str | None, output: str, overrides: dict[str, object]) -> i
         # (the engine's process group), after every rank passed this check.
         refuse_earlier_run(Path(output), resume=None)
         cfg = with_overrides(load_config(config_path), overrides)
-        from spotline.trainer import run_worker
+        from spotline.worker.launched import run_worker
 
         summary = run_worker(cfg, Path(output))
         if summary is not None:  # rank 0: the same summary as `spotline train` prints
-            from spotline.launch.cli import format_summary
+            from spotline.launch.run_summary import format_summary
 
             print(format_summary(summary, Path(output)), flush=True)
     except UserError as exc:
         if rank == 0:
             print(f"spotline: error: {exc}", file=sys.stderr, flush=True)
         return 2
-    except FloatingPointError as exc:  # spotline.exact.NonFiniteGradient, on every rank
+    except FloatingPointError as exc:  # spotline.exact.reduction.NonFiniteGradient, on every rank
         if rank == 0:
             print(
                 f"spotline: error: {exc}; the step was not applied. Lower the learning rate, "

@@ -16,8 +16,11 @@ VERIFIED_VERSIONS = ("0.19.8",)
 SEAMS: dict[str, tuple[str, str]] = {
     "deepspeed.runtime.pipe.engine.PipelineEngine._exec_schedule": (
         "f162568c9f2bf30f",
-        "dispatches each instruction through _INSTRUCTION_MAP with its kwargs "
-        "(spotline.engine.rebind_instruction_map, spotline.redundancy instructions)",
+        "dispatches each instruction by its type through self._INSTRUCTION_MAP (an instance "
+        "attribute shadows the class's: each Spotline engine sets its own, "
+        "SpotlinePipelineEngine.instruction_handlers), binds the handler to the engine "
+        "(MethodType) and calls it with the instruction's kwargs "
+        "(spotline.plan.pipe_instructions: Instruction.kwargs)",
     ),
     "deepspeed.runtime.pipe.engine.PipelineEngine._exec_optimizer_step": (
         "6eb5218d55f519c2",
@@ -53,17 +56,17 @@ SEAMS: dict[str, tuple[str, str]] = {
     "deepspeed.comm.torch.TorchBackend.new_group": (
         "aa81b6a4e2241d46",
         "calls torch.distributed.new_group(ranks), looked up at call time: "
-        "spotline.group_setup wraps it while a generation sets up",
+        "spotline.pipeline.group_setup wraps it while a generation sets up",
     ),
     "deepspeed.runtime.pipe.p2p.send": (
         "a28ede4b78797592",
         "a blocking send is dist.send (deepspeed.comm -> torch.distributed.send, looked up at "
-        "call time): spotline.group_setup.bind_p2p_waits gives its wait the collectives' timeout",
+        "call time): spotline.pipeline.group_setup.bind_p2p_waits gives its wait the collectives' timeout",
     ),
     "deepspeed.runtime.pipe.p2p.recv": (
         "788c30fcaed5afd8",
         "a blocking receive is dist.recv from a known rank (deepspeed.comm -> "
-        "torch.distributed.recv, looked up at call time): spotline.group_setup.bind_p2p_waits",
+        "torch.distributed.recv, looked up at call time): spotline.pipeline.group_setup.bind_p2p_waits",
     ),
     "deepspeed.runtime.pipe.module.PipelineModule._partition_layers": (
         "7289164616d3e075",

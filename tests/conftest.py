@@ -7,9 +7,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from spotline.sim.sim_config import SimConfig
 
 # The cluster-of-namespaces fixture (tests/netns.py), for every test module.
 from netns import netns_cluster  # noqa: F401
@@ -177,3 +180,39 @@ def sampler_strategy(
         )
 
     return samplers()
+
+
+# Two stages, two pipelines on four one-slot nodes: the simulator tests' toy.
+TOY = {
+    "spot_price_per_node_hour": 1.0,
+    "on_demand_price_per_node_hour": 3.0,
+    "node_ready_s": 45.0,
+    "fatal_rendezvous_s": 30.0,
+    "reconfigure_s": 20.0,
+    "degraded_slowdown": 1.5,
+    "spotline_checkpoint_interval_s": 600.0,
+    "models": {
+        "toy": {
+            "num_stages": 2,
+            "samples_per_step": 10,
+            "checkpoint_save_s": 10.0,
+            "checkpoint_load_s": 5.0,
+            "step_times": [
+                {"num_stages": 2, "num_pipelines": 1, "degraded": False, "step_time_s": 2.0},
+                {"num_stages": 2, "num_pipelines": 2, "degraded": False, "step_time_s": 1.25},
+            ],
+        }
+    },
+}
+
+
+@pytest.fixture()
+def toy_config(tmp_path: Path) -> SimConfig:
+    """A toy simulator set-up (tests/test_sim.py, tests/test_recovery_policies.py)."""
+    from spotline.sim.calibration import load_calibration
+    from spotline.sim.sim_config import SimConfig
+
+    path = tmp_path / "toy.json"
+    path.write_text(json.dumps(TOY))
+    calibration = load_calibration(path)
+    return SimConfig(calibration, calibration.model("toy"), num_nodes=4)

@@ -24,11 +24,10 @@ import pytest
 import torch.distributed as dist
 from conftest import REPO, child_env
 
-from spotline.auth import AuthStore, JobToken
 from spotline.launch.control.machines import NO_TOKEN, WRONG_TOKEN, Machines
-from spotline.protocol import (
-    MachineInfo,
-    Order,
+from spotline.wire.agent_messages import MachineInfo, Order
+from spotline.wire.auth import AuthStore, JobToken
+from spotline.wire.protocol import (
     agent_done_key,
     exit_key,
     order_counter_key,
@@ -226,8 +225,8 @@ def _nth(machines: Machines, name: str) -> int:
     """The registration number of the agent that claimed ``name``."""
     import json
 
-    from spotline.auth import unsealed_payload
-    from spotline.protocol import machine_key
+    from spotline.wire.auth import unsealed_payload
+    from spotline.wire.protocol import machine_key
 
     for n in range(1, 10):
         raw = machines.store.inner.get(machine_key(n))

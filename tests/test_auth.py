@@ -1,4 +1,4 @@
-"""The job token (spotline.auth) over a real c10d store: what is written without it, or with
+"""The job token (spotline.wire.auth) over a real c10d store: what is written without it, or with
 another, is as if never written; token files are checked with one clear line."""
 
 from __future__ import annotations
@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from spotline.auth import AuthStore, ForgedValue, JobToken, job_token, read_token_file
 from spotline.errors import UserError
 from spotline.launch.agent import read_admission
-from spotline.protocol import Admission, admit_key
+from spotline.wire.agent_messages import Admission
+from spotline.wire.auth import AuthStore, ForgedValue, JobToken, job_token, read_token_file
+from spotline.wire.protocol import admit_key
 
 TOKEN = JobToken(bytes(range(32)))
 OTHER = JobToken(bytes(32))

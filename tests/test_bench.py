@@ -188,7 +188,7 @@ def test_overlap_times_the_exchange_the_step_and_both(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_data_parallel_baseline_and_exact_engine_run_side_by_side(tmp_path: Path) -> None:
-    """The easyscale bench's step-time pair: stock DeepSpeedEngine and spotline.dp_engine on
+    """The easyscale bench's step-time pair: stock DeepSpeedEngine and spotline.exact.dp_engine on
     the same 2 processes (smoke size; timings are reported, never asserted)."""
     from conftest import small_config, write_config
 
@@ -205,7 +205,7 @@ def test_two_pipelines_add_the_sharded_mode_with_its_flags_and_schedule() -> Non
     """``--pipelines 2``: each case runs 2 pipelines and benches lazy-sharded beside the
     three modes, as lazy with ``--replica sharded``, on lazy's schedule without its replay
     stashes; one pipeline benches the three modes only."""
-    from spotline.launch.bench.redundancy import MODE_FLAGS, parse_cases, schedule_facts
+    from spotline.launch.bench.redundancy_bench import MODE_FLAGS, parse_cases, schedule_facts
 
     [one] = parse_cases("2x4")
     [two] = parse_cases("2x4", pipelines=2)
@@ -225,7 +225,7 @@ def test_modes_choose_what_runs_beside_off_in_a_fixed_order() -> None:
     the bench's own order whatever order they were named in."""
     from spotline.errors import UserError
     from spotline.launch.bench.ladder import _redundancy
-    from spotline.launch.bench.redundancy import parse_cases
+    from spotline.launch.bench.redundancy_bench import parse_cases
 
     [two] = parse_cases("2x4", pipelines=2, modes="lazy-sharded, LAZY")
     assert two.modes == ("off", "lazy", "lazy-sharded")

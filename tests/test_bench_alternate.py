@@ -4,7 +4,7 @@ The pure parts without processes (which steps count, which turns are allowed); t
 real round of two ``spotline train`` jobs whose whole process trees are stopped and
 continued (SIGSTOP, SIGCONT) every 2.5 s, checked for what it must show: the jobs really
 stood still outside their turns, every pause was survived without a recovery (a receive
-waiting across a pause used to time out: ``spotline.group_setup.wait_p2p``), both modes
+waiting across a pause used to time out: ``spotline.pipeline.group_setup.wait_p2p``), both modes
 end on the same parameters, and the step time comes from steps inside the turns. The same
 round profiles its instructions (``--profile``): lazy's CPU by instruction against off's.
 
@@ -280,7 +280,7 @@ def test_the_foundations_three_jobs_take_turns(tmp_path: Path) -> None:
 def _check_foundation_profile(
     report: dict[str, Any], work: Path, turns: dict[str, list[Turn]], stdout: str
 ) -> None:
-    from spotline.launch.bench.instructions import ALL_WAITS
+    from spotline.launch.bench.instruction_timeline import ALL_WAITS
 
     for variant in ("spotline", "spotline-off", "stock"):
         assert len(list((work / f"{variant}-r0" / "instructions").glob("*.json"))) == 4

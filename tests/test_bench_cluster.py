@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from spotline.launch.bench import cluster, command, machines
+from spotline.launch.bench import cluster, command
+from spotline.launch.bench import cluster_processes as machines
 
 
 def test_command_line_defaults_and_flags() -> None:

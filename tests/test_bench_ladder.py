@@ -12,9 +12,9 @@ import torch
 from spotline.config import load_config, with_overrides
 from spotline.errors import UserError
 from spotline.launch.bench import jobs, ladder
-from spotline.memory import storage_bytes
-from spotline.model_config import PRESETS
-from spotline.protocol import ModelStateBytes
+from spotline.models.model_config import PRESETS
+from spotline.pipeline.memory import storage_bytes
+from spotline.wire.protocol import ModelStateBytes
 
 
 def test_every_rung_is_a_preset_and_every_ladder_grows() -> None:

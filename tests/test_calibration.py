@@ -13,7 +13,7 @@ from test_sim import TOY
 
 from spotline.errors import UserError
 from spotline.launch.simulate import main as simulate_main
-from spotline.launch.simulate import uncalibrated_note
+from spotline.launch.simulate_report import uncalibrated_note
 from spotline.plan.traces import Trace
 from spotline.sim.calibration import (
     DEFAULT_CALIBRATION,
@@ -23,7 +23,8 @@ from spotline.sim.calibration import (
     StepTimeRow,
     load_calibration,
 )
-from spotline.sim.engine import SimConfig, simulate
+from spotline.sim.sim_config import SimConfig
+from spotline.sim.simulator import simulate
 
 
 def model(rows: dict[int, float], degraded: dict[int, float] | None = None) -> ModelCalibration:

@@ -19,10 +19,10 @@ from spotline.config import parse_config
 from spotline.errors import UserError
 from spotline.launch.simulate import main as simulate_main
 from spotline.plan.capacity import Capacity
+from spotline.plan.grid import Layout
 from spotline.plan.layout import (
     FatalLoss,
     GenerationPlan,
-    Layout,
     WaitForCapacity,
     WorkerReport,
     committed_state,
@@ -33,7 +33,9 @@ from spotline.plan.layout import (
 )
 from spotline.plan.traces import Trace, TraceEvent
 from spotline.sim.calibration import load_calibration
-from spotline.sim.engine import POLICY_MODELS, PolicyResult, SimConfig, simulate
+from spotline.sim.results import PolicyResult
+from spotline.sim.sim_config import SimConfig
+from spotline.sim.simulator import POLICY_MODELS, simulate
 
 
 def workers(count: int, prefix: str = "w") -> list[str]:

@@ -12,18 +12,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from spotline.checkpoint import (
+from spotline.checkpointing.checkpoint import (
     MANIFEST,
     CheckpointError,
     CheckpointWriter,
-    interval_steps,
     latest_complete,
     load,
     load_all,
     step_dir,
     verify_checkpoint,
-    young_daly_interval_s,
 )
+from spotline.plan.checkpoint_interval import interval_steps, young_daly_interval_s
 
 
 def state_of(seed: int) -> dict[str, object]:
@@ -120,7 +119,7 @@ def test_corrupt_checkpoint_is_detected_and_skipped(
     path.write_bytes(bytes(data))
     assert verify_checkpoint(tmp_path, 1) == []
     assert "SHA-256" in verify_checkpoint(tmp_path, 2)[0]
-    with caplog.at_level(logging.WARNING, logger="spotline.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="spotline.checkpointing.checkpoint"):
         assert latest_complete(tmp_path) == 1
     assert "skipping checkpoint" in caplog.text and "step-00000002" in caplog.text
     with pytest.raises(CheckpointError, match="SHA-256 does not match"):

@@ -1,4 +1,4 @@
-"""spotline.clipping's squared norm: a function of the gradient's values alone (the same
+"""spotline.pipeline.clipping's squared norm: a function of the gradient's values alone (the same
 bits for a tensor and for the same values at any offset of a larger buffer, as a reduced
 gradient is a view of the sum's buffer), accurate against a float64 sum, for sizes below,
 at and around the row length. Pure: no processes."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from spotline.clipping import SQ_NORM_ROW, per_layer_sq_norms, sq_norm
+from spotline.pipeline.clipping import SQ_NORM_ROW, per_layer_sq_norms, sq_norm
 
 
 def test_the_squared_norm_is_the_values_function_and_accurate() -> None:

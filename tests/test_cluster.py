@@ -20,8 +20,8 @@ import pytest
 from conftest import REPO, child_env, read_summary, small_config, write_config
 from netns import Machine
 
-from spotline.checkpoint import latest_complete
-from spotline.stores import ETCD_BINARY
+from spotline.checkpointing.checkpoint import latest_complete
+from spotline.wire.stores import ETCD_BINARY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -31,7 +31,7 @@ STEPS = 200
 # Dropout on (gpt2-tiny's default): the takeover must also reproduce the dropout masks. A
 # machine is declared lost after 4 s without its agent's heartbeat.
 # Collectives time out after 20 s, not 60: what a hung peer costs. A machine cut off while
-# its generation sets up costs its peers at most 10 s (spotline.group_setup; see the
+# its generation sets up costs its peers at most 10 s (spotline.pipeline.group_setup; see the
 # silent-loss test).
 CONFIG = small_config(
     training={"steps": STEPS},
@@ -254,7 +254,7 @@ def test_silent_loss_fencing_arrival_notice_and_intruders_in_one_run(
     assert len(leaving) == 1  # m3's worker, at a boundary: a departure, not a failure
     assert summary["preemptions"] == 2  # m2 (silent) and m3 (notice)
     assert summary["recoveries"] == 1  # only m2's loss was a failure
-    # No survivor waited on m2 until it was taken for hung (spotline.group_setup): m2's link
+    # No survivor waited on m2 until it was taken for hung (spotline.pipeline.group_setup): m2's link
     # is cut while the arrival's generation sets up.
     assert not [e for e in summary["events"] if e["kind"] == "unresponsive"], summary["events"]
     assert summary["exposed_stages"] == []

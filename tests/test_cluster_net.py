@@ -1,5 +1,5 @@
 """Machines as network namespaces on one bridge (tests/netns.py): the fixture itself, and
-gloo between namespaces bound to each machine's own interface (spotline.net)."""
+gloo between namespaces bound to each machine's own interface (spotline.wire.net)."""
 
 from __future__ import annotations
 

@@ -94,7 +94,8 @@ def test_bad_config_is_one_clear_line(raw: dict, needle: str) -> None:
 
 def test_flags_override_the_file_through_the_same_parser() -> None:
     cfg = with_overrides(
-        load_config(None), {"spotline.topology.workers": 8, "spotline.redundancy.mode": "lazy"}
+        load_config(None),
+        {"spotline.topology.workers": 8, "spotline.redundancy.mode": "lazy"},
     )
     assert cfg.num_workers == 8 and cfg.num_pipelines == 4
     assert cfg.spotline.redundancy.mode == "lazy"

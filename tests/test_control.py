@@ -2,7 +2,7 @@
 
 No process is started: the store is a dict, the supervisor and the generation loop are
 stand-ins with the calls the planner makes. What a plan says is read back through
-spotline.protocol, as a worker reads it."""
+spotline.wire.protocol, as a worker reads it."""
 
 from __future__ import annotations
 
@@ -15,12 +15,14 @@ from conftest import small_config
 
 from spotline.config import RunConfig, parse_config
 from spotline.launch.control.checkpoints import CheckpointCommits
+from spotline.launch.control.job_state import JobState
 from spotline.launch.control.metrics import RunMetrics
-from spotline.launch.control.recovery import POLICIES, Planner
+from spotline.launch.control.recovery import LoopHooks, Planner
 from spotline.plan.layout import WorkerReport, initial_layout, member_holdings
 from spotline.plan.placement import exposures
-from spotline.protocol import Plan, entry_key, plan_key
-from spotline.report import summarize_recoveries
+from spotline.reports.timeline import summarize_recoveries
+from spotline.sim.recovery_policies import RECOVERY_POLICIES as POLICIES
+from spotline.wire.protocol import Plan, entry_key, plan_key
 
 
 class DictStore:
@@ -45,14 +47,19 @@ class DictStore:
 class Loop:
     """The generation loop as the planner sees it: generation 1, training goes on at once."""
 
-    generation = 1
-    generation_end_t: float | None = None
+    def __init__(self, state: JobState) -> None:
+        self.state = state
 
-    def __init__(self, planner_ref: list[Planner]) -> None:
-        self.planner_ref = planner_ref
+    def hooks(self) -> LoopHooks:
+        return LoopHooks(
+            max_progress=self.max_progress,
+            wait_for_joiners=self.wait_for_joiners,
+            poll_workers=self.poll_workers,
+            stop_keys=self.stop_keys,
+        )
 
     def max_progress(self) -> int:
-        return self.planner_ref[0].resume_step + 1  # the first step after the plan started
+        return self.state.resume_step + 1  # the first step after the plan started
 
     def wait_for_joiners(self) -> list[str]:
         raise AssertionError("no wait expected")
@@ -78,10 +85,9 @@ def _planner(cfg: RunConfig, tmp_path: Path) -> tuple[Planner, DictStore, RunMet
     store = DictStore()
     metrics = RunMetrics(cfg, store, snapshot=lambda: (0, 4, {}))
     checkpoints = CheckpointCommits(cfg, store, metrics, tmp_path, interval_steps=0)
-    ref: list[Planner] = []
+    state = JobState(generation=1)
     supervisor: Any = NoExits()
-    planner = Planner(cfg, store, supervisor, metrics, checkpoints, Loop(ref))
-    ref.append(planner)
+    planner = Planner(cfg, store, supervisor, metrics, checkpoints, state, Loop(state).hooks())
     return planner, store, metrics
 
 
@@ -120,10 +126,9 @@ def _exposure_planner(
     metrics = RunMetrics(cfg, store, snapshot=lambda: (0, workers, {}))
     monkeypatch.setattr(metrics, "now", lambda: 250.0)
     checkpoints = CheckpointCommits(cfg, store, metrics, tmp_path, interval_steps=100)
-    ref: list[Planner] = []
+    state = JobState(generation=1)
     supervisor: Any = NoExits()
-    planner = Planner(cfg, store, supervisor, metrics, checkpoints, Loop(ref))
-    ref.append(planner)
+    planner = Planner(cfg, store, supervisor, metrics, checkpoints, state, Loop(state).hooks())
     return planner, store
 
 
@@ -200,14 +205,14 @@ def test_a_fatal_loss_without_a_checkpoint_starts_over(tmp_path: Path) -> None:
 def test_the_coordinator_commits_the_workers_files_and_finds_the_checkpoint(
     tmp_path: Path,
 ) -> None:
-    """The coordinator's half of a checkpoint (spotline.checkpoint_manifest, no torch): it
+    """The coordinator's half of a checkpoint (spotline.checkpointing.manifest, no torch): it
     commits a step once every stage's file and sidecar is there, with the losses and
     learning rates before it, and finds it again (a changed file is skipped)."""
     import hashlib
     import json
 
-    from spotline.checkpoint_manifest import read_metadata, step_dir
-    from spotline.protocol import loss_key, lr_key
+    from spotline.checkpointing.manifest import read_metadata, step_dir
+    from spotline.wire.protocol import loss_key, lr_key
 
     cfg = _cfg()
     store = DictStore()
@@ -268,8 +273,8 @@ def test_too_few_survivors_for_the_memory_limit_wait_with_the_state_kept(tmp_pat
             )
         )
         planner, store, metrics = _planner(cfg, tmp_path / str(stages_per_worker))
-        loop = Waits([planner])
-        planner.conductor = loop
+        loop = Waits(planner.state)
+        planner.loop = loop.hooks()
         layout = initial_layout(4, 1, ["w0", "w1"], elastic=True)
         assert layout is not None and layout.groups == ((0, 1), (2, 3))
         held = member_holdings(layout, 5, replicas=True)
@@ -327,7 +332,7 @@ def test_sharded_replicas_are_placed_so_that_no_machine_loss_loses_a_stage(tmp_p
 def test_a_watch_turn_is_quiet_only_while_no_key_was_added_and_a_full_one_is_recent() -> None:
     import torch.distributed as dist
 
-    from spotline.launch.coordinator import QuietTurns
+    from spotline.launch.control.watch import QuietTurns
 
     store = dist.HashStore()  # a real c10d store: its key count is what the gate reads
     turns = QuietTurns(store, full_turn_s=0.5)

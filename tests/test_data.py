@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from spotline import data
+from spotline.data import corpus as data
+from spotline.data.loader import load_corpus
 from spotline.errors import UserError
 
 EOS = 256
@@ -131,16 +132,16 @@ def test_load_corpus_too_small(tmp_path) -> None:
     path = tmp_path / "tiny.txt"
     path.write_text("just a few words\n", encoding="utf-8")
     with pytest.raises(UserError, match=r"packs to 0 sequences of 32 tokens, fewer than the 64"):
-        data.load_corpus(str(path), None, 32, min_sequences=64)
-    corpus = data.load_corpus(str(path), "byte", 4, min_sequences=3)
+        load_corpus(str(path), None, 32, min_sequences=64)
+    corpus = load_corpus(str(path), "byte", 4, min_sequences=3)
     assert len(corpus) == 3  # 16 bytes + eos = 17 tokens -> three rows of 5
 
 
 def test_default_corpus_is_large_enough() -> None:
     assert data.DEFAULT_CORPUS.is_dir()
-    corpus = data.load_corpus(None, None, 32, min_sequences=3000)
+    corpus = load_corpus(None, None, 32, min_sequences=3000)
     assert len(corpus) >= 3000
     assert int(corpus.tokens.max()) < 260  # the model presets' vocabulary
     # Packing is deterministic: a second load gives the same bits.
-    again = data.load_corpus(None, "byte", 32, min_sequences=1)
+    again = load_corpus(None, "byte", 32, min_sequences=1)
     assert np.array_equal(corpus.tokens, again.tokens)

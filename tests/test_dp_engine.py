@@ -1,4 +1,4 @@
-"""spotline.dp_engine: DeepSpeed's plain data-parallel engine with the exact reduction over
+"""spotline.exact.dp_engine: DeepSpeed's plain data-parallel engine with the exact reduction over
 logical workers trains to the same bits (every step's loss, the final parameters) whatever
 the number of processes the logical workers run on; the override is what reduces (a NaN
 gradient is refused on every rank, naming its logical worker); and it equals a
@@ -120,7 +120,7 @@ def test_equals_a_single_process_oracle_without_deepspeed(
 def test_unsupported_configs_are_refused_naming_the_key(section: dict[str, Any], key: str) -> None:
     import torch
 
-    from spotline import dp_engine
+    from spotline.exact import dp_engine
 
     config = {"train_micro_batch_size_per_gpu": 2, **section}
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
@@ -131,7 +131,7 @@ def test_unsupported_configs_are_refused_naming_the_key(section: dict[str, Any],
 
 
 def test_the_logical_batch_is_deepspeed_s_arithmetic_over_logical_workers() -> None:
-    from spotline.dp_engine import logical_batch
+    from spotline.exact.dp_engine import logical_batch
 
     n = NUM_LOGICAL_WORKERS
     both = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}

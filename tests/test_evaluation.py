@@ -17,18 +17,9 @@ import transformers
 from conftest import NO_DROPOUT, read_summary, run_spotline, small_config, write_config
 
 from spotline.config import parse_config, with_overrides
-from spotline.data import PackedCorpus
+from spotline.data.corpus import PackedCorpus
+from spotline.data.instructions import IGNORE_INDEX
 from spotline.errors import UserError
-from spotline.evaluation import (
-    EVAL_MODELS,
-    EVAL_NOTE,
-    EvalSet,
-    evaluate_model,
-    prepare_eval_set,
-    publish_best,
-    token_loss_sum,
-)
-from spotline.instructions import IGNORE_INDEX
 from spotline.launch.control.metrics import RunMetrics
 from spotline.launch.flags import FLAG_KEYS
 from spotline.plan.evaluation import (
@@ -41,10 +32,19 @@ from spotline.plan.evaluation import (
     is_due,
     reduce_losses,
 )
-from spotline.protocol import EvalResult, eval_key
 from spotline.reference import train_reference
+from spotline.reports.tracking import BEST_MODEL
 from spotline.runtime import param_sha256
-from spotline.tracking import BEST_MODEL
+from spotline.wire.protocol import EvalResult, eval_key
+from spotline.worker.export import EVAL_NOTE
+from spotline.worker.validator import (
+    EVAL_MODELS,
+    EvalSet,
+    evaluate_model,
+    prepare_eval_set,
+    publish_best,
+    token_loss_sum,
+)
 
 # -- the config ------------------------------------------------------------------------
 
@@ -95,7 +95,7 @@ def test_evaluation_flags_and_defaults() -> None:
 def test_a_resume_keeps_the_evaluation() -> None:
     """A held-out fraction decides the rows trained on, and the evaluations so far are the
     stopped run's: a resume must keep the section (one line naming the key)."""
-    from spotline.config import resume_mismatch
+    from spotline.config_resume import resume_mismatch
 
     stopped = parse_config(small_config(evaluation={"holdout_fraction": 0.1, "interval_steps": 2}))
     assert resume_mismatch(stopped, stopped) is None
@@ -317,7 +317,7 @@ def test_a_checkpoint_keeps_the_evaluations_up_to_its_step(tmp_path: Path) -> No
     """What a ``--resume`` from it reports again and puts back in the store for rank 0."""
     import hashlib
 
-    from spotline.checkpoint_manifest import read_metadata, step_dir
+    from spotline.checkpointing.manifest import read_metadata, step_dir
     from spotline.launch.control.checkpoints import EVALUATIONS, CheckpointCommits
 
     cfg = parse_config(small_config(evaluation={"holdout_fraction": 0.1, "interval_steps": 2}))

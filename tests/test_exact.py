@@ -1,4 +1,4 @@
-"""spotline.exact: the gradient sum over logical workers is bitwise the same for every
+"""spotline.exact.reduction: the gradient sum over logical workers is bitwise the same for every
 grouping of the workers onto processes (real gloo processes), the float32 fold in logical
 worker order, and refuses non-finite gradients."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import run_ranks
 
-from spotline.exact import NonFiniteGradient, exact_sum, ordered_sum
+from spotline.exact.reduction import NonFiniteGradient, exact_sum, ordered_sum
 
 WORKER = Path(__file__).parent / "workers" / "exact_worker.py"
 sys.path.insert(0, str(WORKER.parent))
@@ -88,7 +88,7 @@ GROUPINGS = {
     "1-3-2 in 3000-element chunks": "5;0,2,4;1,3#3000",
 }
 POISONED = "0,1,2;3,4,5@4"
-# Two logical workers on two processes: summed by a plain float all-reduce (spotline.exact's
+# Two logical workers on two processes: summed by a plain float all-reduce (spotline.exact.reduction's
 # pair path), which must give the one-process fold's bits, g0 + g1; and its NaN refused.
 PAIR = "0;1"
 PAIR_POISONED = "0;1@1"
@@ -147,7 +147,7 @@ def test_two_workers_on_two_processes_give_the_one_process_fold(
 def test_the_chunked_sum_equals_one_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of the reduction (reused buffers, a collective a chunk) change no bit: sizes
     around the chunk's edge, zeros and tiny values, several workers."""
-    from spotline import exact
+    from spotline.exact import reduction as exact
 
     gen = torch.Generator().manual_seed(3)
     for numel in (exact.CHUNK - 1, exact.CHUNK, 2 * exact.CHUNK + 4101):
@@ -165,7 +165,7 @@ def test_the_chunked_sum_equals_one_chunk(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_the_sharded_sum_sends_a_float_all_reduce_s_bytes_when_each_process_hosts_one() -> None:
-    from spotline.exact import bytes_sent_per_process
+    from spotline.exact.reduction import bytes_sent_per_process
 
     n = 1_000_000
     ring_float = 2 * 4 * n * 3 // 4  # a float32 ring all-reduce over 4 processes
@@ -190,8 +190,8 @@ def test_one_logical_worker_is_its_own_sum_bit_for_bit() -> None:
 
 
 def test_reduced_gradients_are_sent_from_the_sum_s_buffer_without_a_copy() -> None:
-    from spotline.exact import LogicalGradients
-    from spotline.redundancy import joined_view
+    from spotline.exact.reduction import LogicalGradients
+    from spotline.pipeline.replica_transport import joined_view
 
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(shape)) for shape in ((3, 4), (5,), (2, 2, 2))]
@@ -221,8 +221,8 @@ def test_reduced_gradients_are_sent_from_the_sum_s_buffer_without_a_copy() -> No
 
 def test_a_gradient_kept_and_reduced_in_two_spans_has_the_whole_s_bits() -> None:
     """The last logical worker's untied gradients are reduced before its tied ones are final
-    (``plan.GradPart``): the sum is elementwise, so the two spans give the bits of one."""
-    from spotline.exact import LogicalGradients
+    (``GradPart``): the sum is elementwise, so the two spans give the bits of one."""
+    from spotline.exact.reduction import LogicalGradients
 
     shapes = ((3, 4), (5,), (2, 2, 2), (7,))
     split = 12 + 5  # the first two parameters are untied
@@ -265,7 +265,7 @@ def test_a_gradient_kept_and_reduced_layer_by_layer_last_first_has_the_whole_s_b
     """Stage 0 keeps and reduces each layer as its backward pass makes it final, last layer
     first, and its tied prefix last (``StreamUntiedGrads``): any order of disjoint spans
     gives the bits of one reduction, and the kept gradients go once all are reduced."""
-    from spotline.exact import LogicalGradients
+    from spotline.exact.reduction import LogicalGradients
 
     shapes = ((3,), (2, 2), (5,), (6,))  # spans (0, 3) tied; (3, 7), (7, 12), (12, 18)
     torch.manual_seed(1)
@@ -303,7 +303,7 @@ def test_a_gradient_kept_and_reduced_layer_by_layer_last_first_has_the_whole_s_b
 def test_stage_0_streams_the_layers_after_its_tied_ones_last_first() -> None:
     """The layers a backward pass may send as it makes them final, and the messages owner
     and holder agree on (``streamed_layers``, ``replica_messages``)."""
-    from spotline.engine import replica_messages, streamed_layers
+    from spotline.pipeline.engine import replica_messages, streamed_layers
 
     # Stage 0 of a GPT-2: the embedding layer (a tied wte and a wpe), then two blocks.
     stage0 = [("0.wte", 10), ("0.wpe", 4), ("1.w", 6), ("1.b", 2), ("2.w", 6), ("2.b", 2)]
@@ -324,7 +324,7 @@ def test_stage_0_streams_the_layers_after_its_tied_ones_last_first() -> None:
 
 
 def test_only_a_tied_suffix_after_untied_parameters_splits_a_stage() -> None:
-    from spotline.engine import untied_prefix
+    from spotline.pipeline.engine import untied_prefix
 
     params = [("3.a", 4), ("3.b", 5), ("4.head", 6)]
     assert untied_prefix(params, {"4.head", "0.wte"}) == 9

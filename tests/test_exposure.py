@@ -15,7 +15,7 @@ from spotline.plan.exposure import (
     is_burst,
     observed_mtbf_s,
 )
-from spotline.plan.layout import Layout
+from spotline.plan.grid import Layout
 
 
 def grid(num_stages: int, groups: tuple[tuple[int, ...], ...], pipelines: int) -> Layout:

@@ -1,4 +1,4 @@
-"""A generation's gloo groups have every pair connected at creation (spotline.group_setup).
+"""A generation's gloo groups have every pair connected at creation (spotline.pipeline.group_setup).
 
 gloo connects a pair at its first use; the side waiting for its peer to connect has no
 socket until then. A member lost between the group's creation and that use left its peers
@@ -67,7 +67,7 @@ def test_a_member_lost_after_its_address_fails_every_peer_set_up_instead_of_hang
 
 def test_groups_connect_under_the_short_timeout_then_run_under_the_collectives_one() -> None:
     lines = _members(world=2, frozen=-1)
-    # Both groups made through spotline.group_setup run under the collectives' timeout; one
+    # Both groups made through spotline.pipeline.group_setup run under the collectives' timeout; one
     # created outside the block keeps torch's default (the wrapper is gone). So do sends
     # and receives, which gloo waits for under the creation timeout unless told otherwise:
     # rank 0 gets both of rank 1's late sends (1 + 2), the blocking one and the posted one.

@@ -1,4 +1,4 @@
-"""spotline.heartbeat on a real TCPStore in this process: beats land, a beat the store did not
+"""spotline.wire.heartbeat on a real TCPStore in this process: beats land, a beat the store did not
 take (the connection shut under it) is retried on a new connection instead of ending the
 thread, and a beat held back (the GIL held by the main thread) is said with its delay."""
 
@@ -14,9 +14,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from spotline.auth import AuthStore, JobToken
-from spotline.heartbeat import AbortWatch, Heartbeat
-from spotline.protocol import WATCH_RELEASED, abort_watch_key, heartbeat_key
+from spotline.wire.auth import AuthStore, JobToken
+from spotline.wire.heartbeat import AbortWatch, Heartbeat
+from spotline.wire.protocol import WATCH_RELEASED, abort_watch_key, heartbeat_key
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -25,7 +25,8 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     config for what TrainingArguments do not say (2 logical workers, exact kernels)."""
     import transformers
 
-    from spotline import data, models
+    from spotline.data import corpus as data
+    from spotline.models import layers as models
 
     root = tmp_path_factory.mktemp("hf")
     model_dir = root / "model"
@@ -160,8 +161,8 @@ def test_wandb_run_is_resumed_not_duplicated(tmp_path: Path, monkeypatch: Any) -
     """A second Tracker on the same output directory (a --resume) continues the first's wandb
     run and does not log its steps again."""
     from spotline.config import TrackingSection
-    from spotline.protocol import EvalResult
-    from spotline.tracking import Tracker
+    from spotline.reports.tracking import Tracker
+    from spotline.wire.protocol import EvalResult
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     logged: list[int] = []
@@ -256,7 +257,7 @@ def test_a_data_collator_pads_rows_and_its_padding_learns_nothing() -> None:
     import datasets
     import transformers
 
-    from spotline import data
+    from spotline.data import corpus as data
     from spotline.hf import dataset_rows
 
     tokenizer = data.byte_level_tokenizer()

@@ -1,4 +1,4 @@
-"""spotline.instruction_profile: every instruction an engine dispatches is timed on that
+"""spotline.pipeline.instruction_profile: every instruction an engine dispatches is timed on that
 engine alone, and the figures reach the folder the environment names."""
 
 from __future__ import annotations
@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from spotline.instruction_profile import (
+from spotline.launch.bench.instruction_timeline import (
+    cpu_split_per_step,
+    format_paired_cpu,
+    paired_cpu,
+    read_profiles,
+)
+from spotline.launch.bench.profile import format_profile, mean_per_step, summarize
+from spotline.pipeline.instruction_profile import (
     PROFILE_ENV,
     WHOLE_STEP,
     InstructionProfile,
@@ -16,13 +23,6 @@ from spotline.instruction_profile import (
     profile_dir,
     write_profile,
 )
-from spotline.launch.bench.instructions import (
-    cpu_split_per_step,
-    format_paired_cpu,
-    paired_cpu,
-    read_profiles,
-)
-from spotline.launch.bench.profile import format_profile, mean_per_step, summarize
 
 
 class ForwardPass:
@@ -258,11 +258,11 @@ def test_the_timeline_puts_each_instruction_and_the_commit_barrier_on_the_hosts_
 
 
 def test_idle_cores_are_charged_to_the_waits_that_leave_them_idle() -> None:
-    from spotline.instruction_profile import Event
-    from spotline.launch.bench.instructions import format_idle, idle_account
+    from spotline.launch.bench.instruction_timeline import format_idle, idle_account
+    from spotline.pipeline.instruction_profile import InstructionSpan
 
-    def ev(name: str, start_ms: int, end_ms: int, step: int = 0) -> Event:
-        return Event(name, step, start_ms / 1000, end_ms / 1000)
+    def ev(name: str, start_ms: int, end_ms: int, step: int = 0) -> InstructionSpan:
+        return InstructionSpan(name, step, start_ms / 1000, end_ms / 1000)
 
     # Three ranks on two cores over 100 ms. Rank a computes throughout; rank b waits in
     # RecvGrad for 0-40 ms, then computes; rank c computes 0-40 ms, then waits in
@@ -300,11 +300,11 @@ def test_idle_cores_are_charged_to_the_waits_that_leave_them_idle() -> None:
 def test_a_job_that_takes_turns_is_charged_only_inside_its_turns() -> None:
     """While a job is stopped its ranks stand in whatever they were in: the idle account
     over its turns leaves those slices out, and counts only the steps that end inside."""
-    from spotline.instruction_profile import Event
-    from spotline.launch.bench.instructions import idle_account
+    from spotline.launch.bench.instruction_timeline import idle_account
+    from spotline.pipeline.instruction_profile import InstructionSpan
 
-    def ev(name: str, start_ms: int, end_ms: int) -> Event:
-        return Event(name, 0, start_ms / 1000, end_ms / 1000)
+    def ev(name: str, start_ms: int, end_ms: int) -> InstructionSpan:
+        return InstructionSpan(name, 0, start_ms / 1000, end_ms / 1000)
 
     # Two ranks on two cores. Rank a computes throughout and ends optimizer steps at 30 and
     # 90 ms; rank b waits in RecvGrad 0-50 ms (stopped 20-60 ms: another job's turn), then
@@ -332,7 +332,11 @@ def test_a_job_that_takes_turns_is_charged_only_inside_its_turns() -> None:
 
 
 def test_idle_time_is_paired_by_round_wait_by_wait() -> None:
-    from spotline.launch.bench.instructions import ALL_WAITS, format_paired_idle, paired_idle
+    from spotline.launch.bench.instruction_timeline import (
+        ALL_WAITS,
+        format_paired_idle,
+        paired_idle,
+    )
 
     rounds = [
         ({"ReduceGrads": 0.150, "CommitBarrier": 0.010}, {"ReduceGrads": 0.100}),
@@ -369,12 +373,12 @@ def test_a_stages_peers_are_timed_apart_at_their_reduction() -> None:
     """Per stage and step, from the first data-parallel peer's arrival at ReduceGrads to the
     last's; a step whose arrivals a pause (outside the job's turns) separates is left out,
     and a stage with one rank has no peers to wait for."""
-    from spotline.instruction_profile import Event
-    from spotline.launch.bench.instructions import reduction_skew
+    from spotline.launch.bench.instruction_timeline import reduction_skew
+    from spotline.pipeline.instruction_profile import InstructionSpan
 
     def rank(stage: int, *starts_ms: int) -> InstructionProfile:
         events = [
-            Event("ReduceGrads", step, start / 1000, (start + 5) / 1000)
+            InstructionSpan("ReduceGrads", step, start / 1000, (start + 5) / 1000)
             for step, start in enumerate(starts_ms)
         ]
         return InstructionProfile(events=events, stage=stage)

@@ -13,16 +13,18 @@ import pytest
 import torch
 from conftest import NO_DROPOUT, read_summary, run_spotline, small_config, write_config
 
-from spotline import data, models
 from spotline.config import parse_config, with_overrides
+from spotline.data import corpus as data
+from spotline.data.instructions import IGNORE_INDEX, Example, InstructionCorpus, fit
+from spotline.data.loader import load_corpus
 from spotline.errors import UserError
-from spotline.instructions import IGNORE_INDEX, Example, InstructionCorpus, fit
 from spotline.launch.dev import tiny_instructions
 from spotline.launch.flags import FLAG_KEYS
+from spotline.models import layers as models
 from spotline.reference import train_reference
 
 EOS, PAD = 256, 257
-TINY = Path(data.__file__).resolve().parent / "assets" / "instructions" / "tiny.jsonl"
+TINY = Path(data.__file__).resolve().parents[1] / "assets" / "instructions" / "tiny.jsonl"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -55,7 +57,7 @@ PAIRS = [
 
 def test_pad_layout_masks_every_prompt_and_pad_label(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
-    corpus = data.load_corpus(path, None, 20, min_sequences=1, instruction_layout="pad")
+    corpus = load_corpus(path, None, 20, min_sequences=1, instruction_layout="pad")
     assert isinstance(corpus, InstructionCorpus)
     assert len(corpus) == 3 and corpus.seq_len == 20
     input_ids, labels = corpus.batch([0, 1, 2])
@@ -85,7 +87,7 @@ def test_pad_layout_masks_every_prompt_and_pad_label(tmp_path: Path) -> None:
 def test_pack_layout_keeps_examples_whole_and_in_order(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
     # 17 + 13 tokens share a row of 31; the third example (19) opens the next one.
-    corpus = data.load_corpus(path, None, 30, min_sequences=1)
+    corpus = load_corpus(path, None, 30, min_sequences=1)
     assert corpus.summary()["layout"] == "pack" and len(corpus) == 2
     first = byte_ids(PAIRS[0]["prompt"] + PAIRS[0]["completion"]) + [EOS]
     second = byte_ids(PAIRS[1]["prompt"] + PAIRS[1]["completion"]) + [EOS]
@@ -127,7 +129,7 @@ def test_long_records_are_truncated_and_counted_never_dropped(tmp_path: Path, la
         {"prompt": "Q\n", "completion": "an answer far longer than the row"},
     ]
     path = write_jsonl(tmp_path / "long.jsonl", records)
-    corpus = data.load_corpus(path, None, 15, min_sequences=1, instruction_layout=layout)
+    corpus = load_corpus(path, None, 15, min_sequences=1, instruction_layout=layout)
     assert isinstance(corpus, InstructionCorpus)
     stats = corpus.summary()
     assert stats["records"] == 5
@@ -146,7 +148,7 @@ def test_prompt_tokens_contribute_nothing_to_the_loss(tmp_path: Path) -> None:
     """The acceptance: changing a prompt token's label leaves the loss bitwise unchanged,
     changing a completion token's label changes it."""
     path = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
-    corpus = data.load_corpus(path, None, 30, min_sequences=1, instruction_layout="pad")
+    corpus = load_corpus(path, None, 30, min_sequences=1, instruction_layout="pad")
     assert isinstance(corpus, InstructionCorpus)
     hf_config = models.load_hf_config("gpt2-tiny", NO_DROPOUT)
     model = models.reference_model(hf_config, seed=3)
@@ -194,7 +196,7 @@ def test_chat_messages_count_the_final_assistant_turn(tmp_path: Path) -> None:
         {"role": "assistant", "content": "4"},
     ]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": chat}])
-    corpus = data.load_corpus(path, tokenizer_dir, 63, min_sequences=1)
+    corpus = load_corpus(path, tokenizer_dir, 63, min_sequences=1)
     assert isinstance(corpus, InstructionCorpus) and corpus.summary()["format"] == "messages"
     prompt = "<|user|>hi\n<|assistant|>hello\n<|user|>2+2?\n<|assistant|>"
     completion = byte_ids("4\n") + [EOS]
@@ -212,7 +214,7 @@ def test_chat_template_whose_prompt_is_not_a_prefix_is_refused(tmp_path: Path) -
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": chat}])
     with pytest.raises(UserError, match=r"chat\.jsonl' line 1: .*does not start with") as caught:
-        data.load_corpus(path, tokenizer_dir, 32, min_sequences=1)
+        load_corpus(path, tokenizer_dir, 32, min_sequences=1)
     assert "\n" not in str(caught.value)
 
 
@@ -264,7 +266,7 @@ def test_bad_instruction_records_are_one_line(tmp_path: Path, records, needles) 
     tokenizer_dir = chat_tokenizer(tmp_path / "tok")
     path = write_jsonl(tmp_path / "bad.jsonl", records)
     with pytest.raises(UserError) as caught:
-        data.load_corpus(path, tokenizer_dir, 32, min_sequences=1)
+        load_corpus(path, tokenizer_dir, 32, min_sequences=1)
     message = str(caught.value)
     assert "\n" not in message
     for needle in needles:
@@ -299,7 +301,7 @@ def test_messages_without_a_chat_template_are_refused(tmp_path: Path) -> None:
     chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": chat}])
     with pytest.raises(UserError, match="tokenizer 'byte' has no chat template") as caught:
-        data.load_corpus(path, None, 32, min_sequences=1)
+        load_corpus(path, None, 32, min_sequences=1)
     assert "--tokenizer" in str(caught.value)
     with pytest.raises(UserError, match="holds messages records, not documents"):
         data.load_text_dataset(path)
@@ -316,7 +318,7 @@ def test_instruction_layout_is_a_strict_config_key() -> None:
 
 def test_shipped_file_is_its_generator_s_output_and_fits_64_tokens() -> None:
     assert TINY.read_text(encoding="utf-8") == "".join(tiny_instructions.lines())
-    corpus = data.load_corpus(str(TINY), None, 64, min_sequences=64)
+    corpus = load_corpus(str(TINY), None, 64, min_sequences=64)
     stats = corpus.summary()
     assert stats["format"] == "prompt-completion" and stats["records"] >= 300
     assert stats["truncated_records"] == 0

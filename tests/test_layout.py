@@ -9,11 +9,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from spotline.plan.grid import Layout
 from spotline.plan.layout import (
     FatalLoss,
     GenerationPlan,
     Holding,
-    Layout,
     WorkerReport,
     initial_layout,
     member_holdings,

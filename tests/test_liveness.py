@@ -1,4 +1,4 @@
-"""The liveness probe (spotline.launch.control.liveness) against real sockets on loopback:
+"""The liveness probe (spotline.launch.control.liveness_probe) against real sockets on loopback:
 only a refused connect is reported; an accepting port and an unanswered one are not. A poke
 reaches a listening agent's port (and wakes an agent sleeping between its beats); a poke
 to a dead or silent port costs the coordinator nothing."""
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from spotline.launch.control.liveness import LivenessProbe, Pokes
+from spotline.launch.control.liveness_probe import LivenessProbe, Pokes
 
 
 def _refused_within(probe: LivenessProbe, limit_s: float) -> set[str]:
@@ -89,7 +89,7 @@ def test_an_agent_sleeps_until_its_beat_and_a_poke_or_an_exit_wakes_it(tmp_path:
     import os
 
     from spotline.launch import agent as agent_module
-    from spotline.protocol import MachineInfo
+    from spotline.wire.agent_messages import MachineInfo
 
     listener = socket.create_server(("127.0.0.1", 0), backlog=4)
     listener.setblocking(False)

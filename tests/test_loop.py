@@ -1,4 +1,4 @@
-"""The one step loop (spotline.loop): its contract, and that every entry point trains through it.
+"""The one step loop (spotline.worker.loop): its contract, and that every entry point trains through it.
 
 That the two entry points compute the same bits through it is checked end to end by
 tests/test_train.py::test_deepspeed_launcher_runs_the_same_code_path (`deepspeed
@@ -13,10 +13,11 @@ import inspect
 import textwrap
 from collections.abc import Callable
 
-from spotline import elastic, trainer
 from spotline.launch import elastic_worker
 from spotline.launch.bench import stock_worker
-from spotline.loop import StepDone, StepHooks, StepLog, run_steps, slow_machine
+from spotline.worker import elastic
+from spotline.worker import launched as trainer
+from spotline.worker.loop import StepDone, StepHooks, StepLog, run_steps, slow_machine
 
 
 class _Recorder(StepHooks):

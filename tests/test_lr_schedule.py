@@ -83,7 +83,7 @@ def sequential_hyper(name: str, steps: int) -> list[dict[str, Any]]:
 def test_the_rate_of_a_step_is_the_rate_of_the_uninterrupted_loop(name: str) -> None:
     import torch
 
-    from spotline.lr_schedule import StepSchedule
+    from spotline.pipeline.lr_schedule import StepSchedule
 
     schedule = StepSchedule(
         torch.optim.AdamW, {"lr": 1e-3, "betas": (0.9, 0.999)}, name, SCHEDULERS[name]

@@ -1,4 +1,4 @@
-"""spotline.models: HF causal LMs as DeepSpeed pipeline layers.
+"""spotline.models.layers: HF causal LMs as DeepSpeed pipeline layers.
 
 Single-process tests against a 1-process gloo group; exactness is checked with torch.equal.
 The one multi-process test (2 stages on 2 processes) is marked slow.
@@ -21,8 +21,8 @@ import transformers  # noqa: E402
 from conftest import write_tiny_opt  # noqa: E402
 from deepspeed.runtime.pipe.module import PipelineModule  # noqa: E402
 
-from spotline import models  # noqa: E402
 from spotline.errors import UserError  # noqa: E402
+from spotline.models import layers as models  # noqa: E402
 
 NO_DROPOUT = {
     "gpt2-tiny": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
@@ -517,7 +517,8 @@ def test_a_whole_model_trains_as_the_transformers_reference(dist_world, tmp_path
     from spotline.config import parse_config
     from spotline.reference import train_reference
     from spotline.runtime import param_sha256
-    from spotline.trainer import gather_hf_parameters, setup_worker
+    from spotline.worker.export import gather_hf_parameters
+    from spotline.worker.launched import setup_worker
 
     config = small_config(
         model={"name": write_tiny_opt(tmp_path / "opt")},

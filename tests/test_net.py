@@ -1,11 +1,11 @@
-"""spotline.net: an agent's --address/--iface resolved against this machine's interfaces."""
+"""spotline.wire.net: an agent's --address/--iface resolved against this machine's interfaces."""
 
 from __future__ import annotations
 
 import pytest
 
 from spotline.errors import UserError
-from spotline.net import Binding, gloo_environment, interfaces, resolve
+from spotline.wire.net import Binding, gloo_environment, interfaces, resolve
 
 
 def test_loopback_resolves_both_ways() -> None:

@@ -13,11 +13,11 @@ from collections.abc import Iterator
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from spotline.plan.grid import Layout
 from spotline.plan.layout import (
     Committed,
     FatalLoss,
     GenerationPlan,
-    Layout,
     WorkerReport,
     committed_holders,
     initial_layout,

@@ -26,7 +26,7 @@ def test_the_builtin_default_takes_preemptions_over_in_memory() -> None:
 
 
 def test_recovery_lines_say_what_happened_and_nothing_more() -> None:
-    from spotline.launch.cli import recovery_lines
+    from spotline.launch.run_summary import recovery_lines
 
     one = {"preemptions": 1, "checkpoint_fallbacks": 0}
     event = {"generation": 1, "resume_step": 3, "recovery_s": 0.7, "in_memory": True}
@@ -82,7 +82,7 @@ def test_the_console_summary_says_summary_json_s_counts_in_plain_words() -> None
     """Each count the console shows is summary.json's of that name (a hung worker's run said
     "preemptions 0  recoveries 1" and nothing of the hang), and the header counts in words
     ("4 stages x 1 pipelines", "1 stages x 2 pipelines")."""
-    from spotline.launch.cli import format_summary
+    from spotline.launch.run_summary import format_summary
 
     event = {"generation": 1, "resume_step": 3, "recovery_s": 0.7, "in_memory": True}
     summary = {
@@ -147,7 +147,7 @@ def test_node_lifetimes_are_compared_with_the_start_up(tmp_path: Path) -> None:
 
 
 def test_a_stall_stops_with_one_line_naming_what_to_change() -> None:
-    from spotline.launch.coordinator import no_progress_message
+    from spotline.launch.control.watch import no_progress_message
 
     line = no_progress_message(300.0, 271, 272, clock="wall")
     assert "\n" not in line
@@ -192,7 +192,7 @@ def test_preemptions_faster_than_start_ups_stop_the_run(tmp_path: Path) -> None:
 
 
 def test_a_run_without_workers_names_the_real_cause() -> None:
-    from spotline.launch.coordinator import no_workers_message
+    from spotline.launch.control.admission import no_workers_message
 
     plain = no_workers_message(0, crashed=[], trace=False, random_preemptions=False)
     assert "trace" not in plain.replace("--trace", "") and "nothing in this run adds" in plain

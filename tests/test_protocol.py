@@ -1,4 +1,4 @@
-"""spotline.protocol: the one place a store key is spelled, and its messages' JSON forms."""
+"""spotline.wire.protocol: the one place a store key is spelled, and its messages' JSON forms."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from spotline.plan.layout import Holding, Layout
-from spotline.protocol import (
+from spotline.plan.grid import Layout
+from spotline.plan.layout import Holding
+from spotline.wire.protocol import (
     CHECKPOINT_ERRORS_COUNTER,
     FINAL_HASH_KEY,
     KEY_PREFIXES,
@@ -221,7 +222,7 @@ def _key_literals(path: Path) -> list[tuple[int, str]]:
 
 
 def test_only_the_protocol_module_spells_a_store_key() -> None:
-    protocol = REPO / "integration" / "protocol.py"
+    protocol = REPO / "integration" / "wire" / "protocol.py"
     assert _key_literals(protocol), "the scan must find the protocol's own keys"
     spelled = [
         f"{path.relative_to(REPO)}:{line}: {text!r}"
@@ -230,7 +231,7 @@ def test_only_the_protocol_module_spells_a_store_key() -> None:
         if path != protocol
         for line, text in _key_literals(path)
     ]
-    assert not spelled, "store keys spelled outside spotline.protocol:\n" + "\n".join(spelled)
+    assert not spelled, "store keys spelled outside spotline.wire.protocol:\n" + "\n".join(spelled)
 
 
 def test_the_coordinator_imports_no_torch_deepspeed_or_transformers() -> None:
@@ -238,7 +239,7 @@ def test_the_coordinator_imports_no_torch_deepspeed_or_transformers() -> None:
         "import sys\n"
         "import spotline.launch.coordinator\n"
         "import spotline.launch.control.recovery\n"
-        "import spotline.launch.control.inputs\n"
+        "import spotline.launch.control.input_check\n"
         "heavy = sorted(m for m in sys.modules\n"
         "               if m.split('.')[0] in ('torch', 'deepspeed', 'transformers'))\n"
         "assert not heavy, heavy\n"
@@ -250,19 +251,19 @@ def test_the_runtime_and_the_simulator_share_one_policy_vocabulary() -> None:
     import typing
 
     from spotline.config import RecoverySection
-    from spotline.launch.control.recovery import POLICIES
     from spotline.plan.policies import (
         RECOVERY_MODES,
         SIM_POLICIES,
         SIMULATED_RECOVERY,
         SIMULATOR_ONLY,
     )
-    from spotline.sim.engine import POLICIES as SIMULATED
+    from spotline.sim.recovery_policies import RECOVERY_POLICIES as POLICIES
+    from spotline.sim.sim_config import POLICIES as SIMULATED
 
     mode = typing.get_type_hints(RecoverySection)["mode"]
     assert typing.get_args(mode) == RECOVERY_MODES == ("failover", "checkpoint-restart")
     assert tuple(POLICIES) == RECOVERY_MODES
-    assert all(policy.name == name for name, policy in POLICIES.items())
+    assert all(policy.recovery == name for name, policy in POLICIES.items())
     assert SIMULATED == SIM_POLICIES
     # Every simulated policy but the references (the on-demand baseline, the ideal bound)
     # runs one of the runtime's policies.
@@ -295,7 +296,7 @@ def test_the_checkpoint_interval_is_the_policy_s() -> None:
     from conftest import small_config
 
     from spotline.config import parse_config
-    from spotline.launch.control.recovery import POLICIES
+    from spotline.sim.recovery_policies import RECOVERY_POLICIES as POLICIES
 
     failover, restart = POLICIES["failover"], POLICIES["checkpoint-restart"]
     given = parse_config(small_config(checkpoints={"interval_steps": 3}))
@@ -309,7 +310,7 @@ def test_the_checkpoint_interval_is_the_policy_s() -> None:
 
 
 def test_an_abort_is_written_for_the_record_and_for_every_members_watch() -> None:
-    from spotline.protocol import WATCH_RELEASED, abort_entries
+    from spotline.wire.protocol import WATCH_RELEASED, abort_entries
 
     assert abort_entries(4, ["w0", "w2"], "w1") == [
         (abort_key(4), "w1"),

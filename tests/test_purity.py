@@ -13,11 +13,14 @@ import spotline.sim
 PURE = (
     [
         "spotline.config",
+        "spotline.config_reader",
+        "spotline.config_resume",
         "spotline.errors",
-        "spotline.protocol",
-        "spotline.checkpoint_manifest",
-        "spotline.net",
-        "spotline.auth",
+        "spotline.wire.protocol",
+        "spotline.wire.agent_messages",
+        "spotline.checkpointing.manifest",
+        "spotline.wire.net",
+        "spotline.wire.auth",
     ]
     + [f"spotline.plan.{m.name}" for m in pkgutil.iter_modules(spotline.plan.__path__)]
     + [f"spotline.sim.{m.name}" for m in pkgutil.iter_modules(spotline.sim.__path__)]

@@ -73,7 +73,7 @@ def test_sigkill_mid_step_is_taken_over_from_memory(
         config = small_config(training={"steps": STEPS}, redundancy={"mode": "eager"})
     with contextlib.ExitStack() as stack:
         if variant == "etcd":
-            from spotline.stores import ETCD_BINARY, start_local_etcd
+            from spotline.wire.stores import ETCD_BINARY, start_local_etcd
 
             if not Path(ETCD_BINARY).exists():
                 pytest.skip("etcd-server is not installed (.ci/run installs it)")
@@ -117,7 +117,7 @@ def test_sigkill_mid_step_is_taken_over_from_memory(
     # stage on two workers, so the new generation's first committed step is checkpointed;
     # 1x4 was exposed from the start (a start is no first exposure): nothing is. One loss
     # is no burst: the interval stays at 100.
-    from spotline.checkpoint_manifest import latest_complete, step_dirs
+    from spotline.checkpointing.manifest import latest_complete, step_dirs
 
     root = tmp_path / "run" / "checkpoints"
     if topology == "2x2":
@@ -132,7 +132,7 @@ def test_sigkill_mid_step_is_taken_over_from_memory(
 def _stage_numels(stages: int) -> dict[int, list[tuple[str, int]]]:
     """Logical stage -> its parameters' (name, numel), sorted by name: the names the
     pipeline's layers give (global layer index first), built as a worker builds them."""
-    from spotline import models
+    from spotline.models import layers as models
 
     hf_config = models.load_hf_config(CONFIG["spotline"]["model"]["name"])
     specs = models.build_layer_specs(hf_config, seed=CONFIG["spotline"]["training"]["seed"])

@@ -70,7 +70,7 @@ def test_fused_adamw_replicas_step_to_the_owner_s_bits(spotline_train) -> None:
 
 
 def _check_model_state(off, lazy, eager, stages: int) -> None:
-    """The model state counted from the tensors (spotline.memory), by kind and rank: each
+    """The model state counted from the tensors (spotline.pipeline.memory), by kind and rank: each
     replica is exactly its successor's state; off holds none; only eager keeps a graph."""
     own = ("parameters", "gradients", "optimizer")
     extra = ("replica_parameters", "replica_gradients", "replica_optimizer", "stash")

@@ -1,4 +1,4 @@
-"""The run's timeline: CSV, plot and recovery numbers (spotline.report)."""
+"""The run's timeline: CSV, plot and recovery numbers (spotline.reports.timeline)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from spotline.report import CSV_COLUMNS, Timeline, summarize_recoveries
+from spotline.reports.timeline import CSV_COLUMNS, Timeline, summarize_recoveries
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TWO_BY_TWO = {"w0": "p0:s0", "w1": "p0:s1", "w2": "p1:s0", "w3": "p1:s1"}

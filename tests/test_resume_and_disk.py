@@ -30,7 +30,7 @@ from conftest import (
 )
 from wandb_records import logged
 
-from spotline.checkpoint import MANIFEST, CheckpointWriter, latest_complete, step_dir
+from spotline.checkpointing.checkpoint import MANIFEST, CheckpointWriter, latest_complete, step_dir
 from spotline.config import parse_config
 
 # -- pure: what a resume must keep -----------------------------------------------------
@@ -66,7 +66,7 @@ def _cfg(**sections: Any) -> Any:
     ],
 )
 def test_a_resume_refuses_a_change_of_the_math_naming_the_key(change, key) -> None:
-    from spotline.config import resume_mismatch
+    from spotline.config_resume import resume_mismatch
 
     problem = resume_mismatch(_cfg(), _cfg(**change))
     assert problem is not None and key in problem
@@ -87,7 +87,7 @@ def test_a_resume_refuses_a_change_of_the_math_naming_the_key(change, key) -> No
     ],
 )
 def test_a_resume_may_change_placement_recovery_and_length(change) -> None:
-    from spotline.config import resume_mismatch
+    from spotline.config_resume import resume_mismatch
 
     assert resume_mismatch(_cfg(), _cfg(**change)) is None
 
@@ -95,7 +95,7 @@ def test_a_resume_may_change_placement_recovery_and_length(change) -> None:
 def test_a_failed_checkpoint_write_is_handed_over_at_once_and_never_committed(
     tmp_path: Path,
 ) -> None:
-    from spotline.checkpoint import read_metadata
+    from spotline.checkpointing.checkpoint import read_metadata
 
     failures: list[tuple[int, Path, Exception]] = []
     writer = CheckpointWriter(

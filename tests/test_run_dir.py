@@ -14,7 +14,7 @@ from test_control import DictStore
 from spotline.config import parse_config
 from spotline.errors import UserError
 from spotline.launch.control.metrics import RunMetrics
-from spotline.launch.coordinator import earlier_record
+from spotline.launch.control.resume import earlier_record
 from spotline.run_dir import (
     RECORD_NAME,
     RUN_OUTPUTS,

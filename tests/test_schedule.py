@@ -6,21 +6,18 @@ from dataclasses import replace
 
 import pytest
 
+from spotline.plan.actions import Action, ActionKind, parse_action
+from spotline.plan.lowering import Lowered, lower
+from spotline.plan.redundancy_mode import REDUNDANCY_MODES
 from spotline.plan.schedule import (
-    REDUNDANCY_MODES,
-    Action,
-    ActionKind,
     Schedule,
-    ScheduleError,
     add_redundancy,
     format_grid,
     hidden_fraction,
-    lower,
     num_extra_steps,
-    parse_action,
     train_schedule,
-    validate,
 )
+from spotline.plan.schedule_rules import ScheduleError, validate
 
 PAIRS = [(stages, mbs) for stages in range(1, 9) for mbs in range(1, 13)]
 SPOTLINE_KINDS = {
@@ -45,6 +42,11 @@ def edit(schedule: Schedule, position: int, step: int, actions: list[Action]) ->
     rows = [list(row) for row in schedule.steps]
     rows[position][step] = tuple(actions)
     return replace(schedule, steps=tuple(tuple(row) for row in rows))
+
+
+def named(lowered: Lowered) -> list[list[tuple[str, dict[str, int]]]]:
+    """A lowered schedule as (name, kwargs) pairs, the form DeepSpeed's instructions print."""
+    return [[(x.name, x.kwargs) for x in step] for step in lowered]
 
 
 def where(schedule: Schedule, action: Action) -> list[tuple[int, int]]:
@@ -357,7 +359,7 @@ def test_format_grid_columns_are_fixed_width_and_marked() -> None:
 
 def test_lower_names_spotline_instructions() -> None:
     schedule = eager(2, 2)
-    rank0 = lower(schedule, 0)
+    rank0 = named(lower(schedule, 0))
     assert rank0[0] == [
         ("LoadMicroBatch", {"buffer_id": 0}),
         ("ForwardPass", {"buffer_id": 0}),
@@ -372,7 +374,7 @@ def test_lower_names_spotline_instructions() -> None:
         "OptimizerStep",
         "ReplicaStep",
     ]
-    rank1 = lower(schedule, 1)
+    rank1 = named(lower(schedule, 1))
     assert rank1[0] == [
         ("ReplicaLoad", {"micro_batch_id": 0}),
         ("RedundantForward", {"micro_batch_id": 0}),
@@ -537,12 +539,12 @@ def _names(steps: list[list[tuple[str, dict[str, int]]]]) -> list[str]:
 def test_a_pipeline_runs_each_hosted_logical_worker_through_the_whole_body(
     mode, num_stages, num_micro_batches, num_hosted
 ) -> None:
-    from spotline.plan.schedule import lower_logical_step
+    from spotline.plan.lowering import lower_logical_step
 
     schedule = add_redundancy(train_schedule(num_stages, num_micro_batches), mode)
     for position in range(num_stages):
-        plain = lower(schedule, position)
-        logical = lower_logical_step(schedule, position, num_hosted)
+        plain = named(lower(schedule, position))
+        logical = named(lower_logical_step(schedule, position, num_hosted))
         ends = {"ReduceTiedGrads", "ReduceGrads", "OptimizerStep"}
         ends |= {"ReplicaGradSend", "ReplicaGradRecv", "ReplicaStep"}
         names = [n for n, _ in plain[-1]]
@@ -572,7 +574,7 @@ def test_a_pipeline_runs_each_hosted_logical_worker_through_the_whole_body(
 def _tied_tail(num_hosted: int, mode: str) -> list[tuple[str, dict[str, int]]]:
     """A split step's end from its ReduceTiedGrads on: the last logical worker's tied part
     kept, reduced and sent, the exchange waited for, the commit."""
-    from spotline.plan.schedule import GradPart
+    from spotline.plan.pipe_instructions import GradPart
 
     tied = {"part": GradPart.TIED}
     return [
@@ -595,11 +597,12 @@ def test_a_tied_suffix_is_reduced_and_sent_in_two_parts_around_the_tied_reductio
     """The last logical worker's untied gradients are kept, reduced and sent before the
     ReduceTiedGrads that waits for the tied partner, the tied ones after it; the receive is
     posted once, before either arrives; earlier logical workers are unchanged."""
-    from spotline.plan.schedule import GradPart, lower_logical_step
+    from spotline.plan.lowering import lower_logical_step
+    from spotline.plan.pipe_instructions import GradPart
 
     schedule = add_redundancy(train_schedule(2, 3), mode)
-    plain = lower_logical_step(schedule, 1, num_hosted)
-    early = lower_logical_step(schedule, 1, num_hosted, send_untied_early=True)
+    plain = named(lower_logical_step(schedule, 1, num_hosted))
+    early = named(lower_logical_step(schedule, 1, num_hosted, send_untied_early=True))
     flat = [(n, kw) for step in early for n, kw in step]
     last_begin = max(i for i, (n, _) in enumerate(flat) if n == "BeginLogicalWorker")
     untied = {"part": GradPart.UNTIED}
@@ -634,11 +637,11 @@ def test_stage_0_streams_its_untied_gradients_from_its_last_backward_pass(mode, 
     """StreamUntiedGrads comes right before the last logical worker's last BackwardPass of
     stage 0; the tied part is kept, reduced and sent after ReduceTiedGrads; the receive is
     posted once; everything else is as without streaming."""
-    from spotline.plan.schedule import lower_logical_step
+    from spotline.plan.lowering import lower_logical_step
 
     schedule = add_redundancy(train_schedule(3, 4), mode)
-    plain = lower_logical_step(schedule, 0, num_hosted)
-    streamed = lower_logical_step(schedule, 0, num_hosted, stream_untied=True)
+    plain = named(lower_logical_step(schedule, 0, num_hosted))
+    streamed = named(lower_logical_step(schedule, 0, num_hosted, stream_untied=True))
     flat = [(n, kw) for step in streamed for n, kw in step]
     names = [n for n, _ in flat]
     arm = names.index("StreamUntiedGrads")
@@ -661,7 +664,7 @@ def test_stage_0_streams_its_untied_gradients_from_its_last_backward_pass(mode, 
 
 
 def test_a_pipeline_hosting_no_logical_worker_is_refused() -> None:
-    from spotline.plan.schedule import lower_logical_step
+    from spotline.plan.lowering import lower_logical_step
 
     with pytest.raises(ValueError, match="at least one logical worker"):
         lower_logical_step(train_schedule(2, 2), 0, 0)

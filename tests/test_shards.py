@@ -10,12 +10,13 @@ from hypothesis import strategies as st
 from spotline.config import parse_config
 from spotline.errors import UserError
 from spotline.plan import schedule as plan
+from spotline.plan.actions import ActionKind
 from spotline.plan.exposure import exposed_stages
+from spotline.plan.grid import Layout
 from spotline.plan.layout import (
     FatalLoss,
     GenerationPlan,
     Holding,
-    Layout,
     ShardSource,
     WorkerReport,
     committed_state,
@@ -24,8 +25,9 @@ from spotline.plan.layout import (
     plan_generation,
 )
 from spotline.plan.placement import Exposure, copies, copy_sets, exposures
+from spotline.plan.schedule_rules import validate
 from spotline.plan.shards import Piece, shard_pieces
-from spotline.protocol import Plan, Report
+from spotline.wire.protocol import Plan, Report
 
 # -- the shard function ---------------------------------------------------------------------
 
@@ -318,16 +320,16 @@ def test_a_sharded_replica_s_schedule_has_no_replay_stashes() -> None:
     base = plan.train_schedule(3, 4)
     lazy = plan.add_redundancy(base, "lazy")
     sharded = plan.add_redundancy(base, "lazy", replay=False)
-    plan.validate(sharded)
+    validate(sharded)
     kinds = {a.kind for row in sharded.steps for step in row for a in step}
     assert not kinds & {
-        plan.ActionKind.STASH_OUTPUT,
-        plan.ActionKind.STASH_INPUT_GRAD,
-        plan.ActionKind.REPLICA_LOAD,
+        ActionKind.STASH_OUTPUT,
+        ActionKind.STASH_INPUT_GRAD,
+        ActionKind.REPLICA_LOAD,
     }
     # The same replica exchange and step as a full replica's.
-    tail = {plan.ActionKind.REPLICA_GRAD_SEND, plan.ActionKind.REPLICA_GRAD_RECV}
-    tail.add(plan.ActionKind.REPLICA_STEP)
+    tail = {ActionKind.REPLICA_GRAD_SEND, ActionKind.REPLICA_GRAD_RECV}
+    tail.add(ActionKind.REPLICA_STEP)
     assert [[a for a in row[-1] if a.kind in tail] for row in sharded.steps] == [
         [a for a in row[-1] if a.kind in tail] for row in lazy.steps
     ]
@@ -342,18 +344,18 @@ def test_the_simulator_plans_with_shard_holdings() -> None:
     """Both owners of stage 1 lost: the shards survive with the stage-0 members; one of
     those lost too: a full replica still lives, a sharded one does not."""
     from spotline.plan.capacity import Capacity
-    from spotline.sim.engine import _Plan, _RuntimePlanner
+    from spotline.sim.canonical_plans import CanonicalPlan, CanonicalPlanner
 
     results = {}
     for sharded in (False, True):
-        planner = _RuntimePlanner(
+        planner = CanonicalPlanner(
             2, 2, elastic=True, capacity=Capacity(2, replicas=True), sharded=sharded
         )
         first = planner.initial(4)
         assert first is not None
         owners = frozenset({(0, 1), (1, 1)})
         both = planner.replan(first.shape, owners, 2)
-        assert isinstance(both, _Plan) and both.moves_state, sharded
+        assert isinstance(both, CanonicalPlan) and both.moves_state, sharded
         results[sharded] = planner.replan(first.shape, owners | {(1, 0)}, 2)
-    assert isinstance(results[False], _Plan)
+    assert isinstance(results[False], CanonicalPlan)
     assert isinstance(results[True], FatalLoss) and results[True].lost_stages == (1,)

@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from spotline.launch.simulate import SWEEP_PLOTS, sweep_figures, trace_run_figure
 from spotline.launch.simulate import main as simulate_main
+from spotline.launch.simulate_plots import SWEEP_PLOTS, sweep_figures, trace_run_figure
 from spotline.plan.capacity import DEFAULT_STAGES_PER_WORKER
-from spotline.plan.layout import Layout, contiguous_groupings, initial_layout
+from spotline.plan.checkpoint_interval import young_daly_interval_s
+from spotline.plan.grid import Layout
+from spotline.plan.layout import contiguous_groupings, initial_layout
 from spotline.plan.placement import exposures
 from spotline.plan.policies import SIM_POLICIES, SIMULATED_RECOVERY, SimPolicyName
 from spotline.plan.traces import (
@@ -25,19 +27,12 @@ from spotline.plan.traces import (
     synthetic_trace,
 )
 from spotline.sim.calibration import load_calibration
-from spotline.sim.engine import (
-    POLICIES,
-    POLICY_MODELS,
-    CheckpointRestartPolicy,
-    SimConfig,
-    ideal_layout,
-    layout_step_time_s,
-    membership_batches,
-    simulate,
-    simulate_policies,
-    versus_references,
-    young_daly_interval_s,
-)
+from spotline.sim.membership import membership_batches
+from spotline.sim.recovery_policies import CheckpointRestartPolicy
+from spotline.sim.results import versus_references
+from spotline.sim.sim_config import POLICIES, SimConfig, layout_step_time_s
+from spotline.sim.sim_only_policies import ideal_layout
+from spotline.sim.simulator import POLICY_MODELS, simulate, simulate_policies
 from spotline.sim.sweep import sweep
 
 # The public traces ship in integration/assets/traces; SPOTLINE_TRACES points elsewhere.
@@ -47,36 +42,6 @@ TRACES = Path(
         Path(__file__).resolve().parent.parent / "integration" / "assets" / "traces",
     )
 )
-
-TOY = {
-    "spot_price_per_node_hour": 1.0,
-    "on_demand_price_per_node_hour": 3.0,
-    "node_ready_s": 45.0,
-    "fatal_rendezvous_s": 30.0,
-    "reconfigure_s": 20.0,
-    "degraded_slowdown": 1.5,
-    "spotline_checkpoint_interval_s": 600.0,
-    "models": {
-        "toy": {
-            "num_stages": 2,
-            "samples_per_step": 10,
-            "checkpoint_save_s": 10.0,
-            "checkpoint_load_s": 5.0,
-            "step_times": [
-                {"num_stages": 2, "num_pipelines": 1, "degraded": False, "step_time_s": 2.0},
-                {"num_stages": 2, "num_pipelines": 2, "degraded": False, "step_time_s": 1.25},
-            ],
-        }
-    },
-}
-
-
-@pytest.fixture()
-def toy_config(tmp_path: Path) -> SimConfig:
-    path = tmp_path / "toy.json"
-    path.write_text(json.dumps(TOY))
-    calibration = load_calibration(path)
-    return SimConfig(calibration, calibration.model("toy"), num_nodes=4)
 
 
 def test_young_daly_interval() -> None:

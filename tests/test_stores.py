@@ -1,4 +1,4 @@
-"""spotline.stores: the TCP and etcd backends behave alike for the keys Spotline uses.
+"""spotline.wire.stores: the TCP and etcd backends behave alike for the keys Spotline uses.
 
 The etcd tests start a private etcd (Debian's etcd-server) on loopback and skip only when
 its binary is absent.
@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 
 from spotline.errors import UserError
-from spotline.stores import (
+from spotline.wire.stores import (
     ETCD_BINARY,
     AbortableStore,
     EtcdProcess,
@@ -179,7 +179,7 @@ GLOO_WORKER = textwrap.dedent(
     import torch
     import torch.distributed as dist
 
-    from spotline.stores import connect_store, parse_store_arg
+    from spotline.wire.stores import connect_store, parse_store_arg
 
     rank = int(sys.argv[2])
     store = connect_store(parse_store_arg(sys.argv[1]), timeout=timedelta(seconds=30))
@@ -281,7 +281,7 @@ def test_an_abortable_store_s_wait_ends_when_its_generation_is_aborted() -> None
     prefixed.set("k", "v")
     assert inner.get("pg/1/k") == b"v" and prefixed.add("n", 2) == 2
     # gloo passes its group's timeout, only the pair connect's while a generation sets up
-    # (spotline.group_setup): a shorter one does not cut the wait for a slow member ...
+    # (spotline.pipeline.group_setup): a shorter one does not cut the wait for a slow member ...
     threading.Timer(0.3, lambda: inner.set("pg/1/slow", "x")).start()
     prefixed.wait(["slow"], timedelta(seconds=0.01))
     # ... and the store's own timeout still ends a wait for a key nobody writes.

@@ -14,8 +14,8 @@ import torch
 import transformers
 from conftest import NO_DROPOUT, small_config
 
-from spotline import models
 from spotline.config import parse_config, with_overrides
+from spotline.models import layers as models
 from spotline.reference import train_reference
 from spotline.runtime import param_sha256
 

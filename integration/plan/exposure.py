@@ -44,8 +44,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection
 
-from spotline.checkpoint_manifest import young_daly_interval_s
-from spotline.plan.layout import Layout
+from spotline.plan.checkpoint_interval import young_daly_interval_s
+from spotline.plan.grid import Layout
 from spotline.plan.placement import copies, copy_sets
 
 EXPOSED_DOMAINS = 2

@@ -13,7 +13,9 @@ process with no logical worker (more processes than logical workers) maps to ``(
 ``step_work`` joins the two: what each process reads in one step. ``plan_run`` walks a
 whole run through a sequence of rescales and rollbacks (``Rescale``, ``Rollback``) and says
 which assignment ran each step attempt and which attempt counts; ``samples_by_epoch`` turns
-that into the samples the final model was trained on.
+that into the samples the final model was trained on. ``rebalanced`` is the move an elastic
+worker's generation makes from each rank's measured seconds (``rebalance`` gated by
+``worth_moving``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from types import MappingProxyType
 
+from spotline.plan.grid import pipeline_name
 from spotline.plan.sampler import GlobalSampler
 
 Assignment = dict[str, tuple[int, ...]]
@@ -389,3 +392,31 @@ def worth_moving(
     if dict(current) == dict(proposed):
         return False
     return makespan(proposed, process_speeds) < (1 - min_gain) * makespan(current, process_speeds)
+
+
+def rebalanced(
+    current: Mapping[str, tuple[int, ...]],
+    seconds_by_rank: Sequence[float],
+    num_pipelines: int,
+    *,
+    min_gain: float = 0.1,
+) -> Assignment | None:
+    """Where a measurement within a generation moves the logical workers: the new
+    assignment of the physical pipelines (by ``spotline.plan.grid.pipeline_name``), or None
+    to keep ``current``.
+
+    ``seconds_by_rank``: each rank's seconds per logical worker since the last measurement,
+    by rank (DeepSpeed's pipe-major order: rank = stage * pipelines + pipeline). A pipeline
+    is as fast as its slowest rank. Nothing moves with one pipeline, while a pipeline has no
+    measurement (0 seconds), or unless the move predicts a step ``min_gain`` shorter
+    (:func:`worth_moving`). Every rank computes the same answer from the same numbers."""
+    assert len(seconds_by_rank) % num_pipelines == 0, (len(seconds_by_rank), num_pipelines)
+    slowest = [0.0] * num_pipelines
+    for rank, seconds in enumerate(seconds_by_rank):
+        pipeline = rank % num_pipelines
+        slowest[pipeline] = max(slowest[pipeline], float(seconds))
+    if num_pipelines == 1 or min(slowest) <= 0:
+        return None
+    speeds = {pipeline_name(p): 1.0 / slowest[p] for p in range(num_pipelines)}
+    proposed = rebalance(current, speeds)
+    return proposed if worth_moving(current, proposed, speeds, min_gain=min_gain) else None

@@ -50,11 +50,8 @@ import dataclasses
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    # Only for annotations: spotline.plan.layout imports this module.
-    from spotline.plan.layout import Layout
+from spotline.plan.grid import Layout
 
 
 def replica_of(index: int, num_physical: int) -> int | None:

@@ -10,8 +10,9 @@ A recovery policy decides what the job does when a worker that trains is lost:
 ``checkpoint-restart``
     The baseline: every worker is replaced and the job restarts from the last checkpoint.
 
-The runtime runs a policy by this name (``spotline.launch.control.recovery``); the simulator
-(:mod:`spotline.sim.engine`, one ``SimPolicy`` class per name in its ``POLICY_MODELS``, each
+The runtime runs a policy by this name and the simulator replays the same object
+(:mod:`spotline.sim.recovery_policies`); the simulator's ``POLICY_MODELS``
+(:mod:`spotline.sim.simulator`, one ``SimPolicy`` per name, each
 saying by ``recovery`` which of these it runs) names its policies after the system that
 runs them: ``spotline``
 (failover with elastic logical workers, what the runtime does), ``spotline-rigid`` (failover

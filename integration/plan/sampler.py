@@ -5,7 +5,7 @@ the logical topology (number of logical workers, micro-batch size, micro-batches
 worker per step) and the seed, never on how many processes run those logical workers, so a
 rescale or a failover changes who reads a micro-batch but not which samples it holds. Each
 sample of an epoch is read exactly once in that epoch. Pairs with ``spotline.plan.logical``
-(which process runs which logical worker) and ``spotline.data.PackedCorpus.batch`` (which
+(which process runs which logical worker) and ``spotline.data.corpus.PackedCorpus.batch`` (which
 turns the indices into tensors).
 """
 

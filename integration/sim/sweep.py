@@ -1,4 +1,4 @@
-"""Many seeds and many preemption rates: synthetic traces through :mod:`spotline.sim.engine`.
+"""Many seeds and many preemption rates: synthetic traces through :mod:`spotline.sim.simulator`.
 
 For each (rate, seed) one :func:`~spotline.plan.traces.synthetic_trace` is drawn and every
 policy replays that same trace; the on-demand baseline does not depend on the trace and is
@@ -14,13 +14,10 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from spotline.plan.traces import synthetic_trace
-from spotline.sim.engine import (
-    PolicyName,
-    PolicyResult,
-    SimConfig,
-    membership_batches,
-    simulate,
-)
+from spotline.sim.membership import membership_batches
+from spotline.sim.results import PolicyResult
+from spotline.sim.sim_config import PolicyName, SimConfig
+from spotline.sim.simulator import simulate
 
 METRICS: tuple[str, ...] = (
     "samples_per_s",

@@ -3,7 +3,7 @@
 A local replay (``spotline train --trace T --time-scale X --max-workers M``) plays trace T,
 scaled to at most M nodes by :func:`spotline.plan.traces.scale_trace`, X times faster than
 it was recorded, from the moment its first workers have started. :func:`predict_replay`
-replays the same scaled trace through :func:`spotline.sim.engine.simulate` in wall seconds
+replays the same scaled trace through :func:`spotline.sim.simulator.simulate` in wall seconds
 (trace times divided by X) with a calibration measured on the same machine by ``spotline
 calibrate``, and the ``spotline-rigid`` policy, which is what the runtime executed when the
 validation replay in tests/data/replay-validation was recorded (data parallelism fixed,
@@ -29,13 +29,10 @@ from typing import Any
 
 from spotline.plan.traces import Trace, TraceEvent, scale_trace
 from spotline.sim.calibration import Calibration
-from spotline.sim.engine import (
-    PolicyName,
-    PolicyResult,
-    SimConfig,
-    membership_batches,
-    simulate,
-)
+from spotline.sim.membership import membership_batches
+from spotline.sim.results import PolicyResult
+from spotline.sim.sim_config import PolicyName, SimConfig
+from spotline.sim.simulator import simulate
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 - :mod:`~spotline.launch.bench.command`: the ``spotline bench`` command line; dispatches to
   one module per benchmark: :mod:`~spotline.launch.bench.foundation`,
-  :mod:`~spotline.launch.bench.redundancy`, :mod:`~spotline.launch.bench.recovery`,
+  :mod:`~spotline.launch.bench.redundancy_bench`, :mod:`~spotline.launch.bench.recovery_bench`,
   :mod:`~spotline.launch.bench.reduce`, :mod:`~spotline.launch.bench.overlap`,
   :mod:`~spotline.launch.bench.easyscale`,
   :mod:`~spotline.launch.bench.cluster`, :mod:`~spotline.launch.bench.cluster_replay`.
@@ -18,7 +18,7 @@
   :mod:`~spotline.launch.bench.transfer_worker` (for ``cluster``: one per namespace machine).
 - :mod:`~spotline.launch.bench.netns`: machines as network namespaces on a private bridge
   (root only), for ``cluster``, ``cluster-replay`` and, through ``tests/netns.py``, the
-  cluster tests; :mod:`~spotline.launch.bench.machines`: Spotline's coordinator and agents
+  cluster tests; :mod:`~spotline.launch.bench.cluster_processes`: Spotline's coordinator and agents
   started in them, and the log watch that follows the coordinator.
 - :mod:`~spotline.launch.bench.sim_sweep`: the simulator's timed preemption-rate sweep
   (``python -m spotline.launch.bench.sim_sweep``), pure Python.

@@ -43,6 +43,15 @@ from pathlib import Path
 from typing import Any
 
 from spotline.errors import UserError
+from spotline.launch.bench.cluster_processes import (
+    LogWatch,
+    namespace_machines,
+    popen_in,
+    spotline_argv,
+    start_agent,
+    start_coordinator,
+    worker_pid,
+)
 from spotline.launch.bench.jobs import (
     BenchSettings,
     RunFailed,
@@ -53,15 +62,6 @@ from spotline.launch.bench.jobs import (
     progress,
     resolve_base_config,
     write_config,
-)
-from spotline.launch.bench.machines import (
-    LogWatch,
-    namespace_machines,
-    popen_in,
-    spotline_argv,
-    start_agent,
-    start_coordinator,
-    worker_pid,
 )
 from spotline.run_dir import LOGS_DIR, TOKEN_NAME
 

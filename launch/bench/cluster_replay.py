@@ -48,7 +48,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import spotline
+from spotline.atomic_files import write_json_atomic
 from spotline.errors import UserError
+from spotline.launch.bench.cluster_processes import (
+    LogWatch,
+    namespace_machines,
+    start_agent,
+    start_coordinator,
+)
 from spotline.launch.bench.jobs import (
     BenchSettings,
     RunFailed,
@@ -58,15 +65,8 @@ from spotline.launch.bench.jobs import (
     resolve_base_config,
     write_config,
 )
-from spotline.launch.bench.machines import (
-    LogWatch,
-    namespace_machines,
-    start_agent,
-    start_coordinator,
-)
 from spotline.plan.traces import Trace
 from spotline.run_dir import TOKEN_NAME
-from spotline.tracking import write_json_atomic
 
 # The shipped p3 trace, wherever the package is installed (integration/assets/traces here).
 DEFAULT_TRACE = str(Path(spotline.__file__).resolve().parent / "assets" / "traces" / "p3-trace.csv")

@@ -23,8 +23,8 @@ hits every variant alike, then reports the median over the rounds and the ratios
 variants: a Markdown table on stdout and the whole record in ``<output>/bench-<name>.json``
 (written atomically). Every run is a real multi-process job started as a subprocess; its
 own output directory and logs stay under ``<output>/<name>/``. One module per benchmark
-(:mod:`~spotline.launch.bench.foundation`, :mod:`~spotline.launch.bench.redundancy`,
-:mod:`~spotline.launch.bench.recovery`, :mod:`~spotline.launch.bench.reduce`,
+(:mod:`~spotline.launch.bench.foundation`, :mod:`~spotline.launch.bench.redundancy_bench`,
+:mod:`~spotline.launch.bench.recovery_bench`, :mod:`~spotline.launch.bench.reduce`,
 :mod:`~spotline.launch.bench.overlap`, :mod:`~spotline.launch.bench.easyscale`); this one
 parses the command line and dispatches.
 """
@@ -35,7 +35,7 @@ import argparse
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from spotline.errors import UserError
 from spotline.launch.bench.cluster import bench_cluster, format_cluster
@@ -67,15 +67,16 @@ from spotline.launch.bench.overlap import (
     format_overlap,
 )
 from spotline.launch.bench.profile import bench_profile, format_profile
-from spotline.launch.bench.recovery import bench_recovery, format_recovery
+from spotline.launch.bench.recovery_bench import bench_recovery, format_recovery
 from spotline.launch.bench.reduce import bench_reduce, format_reduce
-from spotline.launch.bench.redundancy import (
+from spotline.launch.bench.redundancy_bench import (
     DEFAULT_CASES,
     bench_redundancy,
     format_redundancy,
     parse_cases,
 )
 from spotline.launch.bench.takeover import bench_takeover, format_takeover
+from spotline.launch.flags import UsageErrorParser
 
 DEFAULT_STEPS = 30
 # The cluster bench times a loss, not steady steps: a few steps before and after it.
@@ -91,15 +92,8 @@ DEFAULT_OUTPUT = "runs/bench"
 DEFAULT_ELEMENTS = 1_000_000
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises UserError instead of printing usage and exiting."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UserError(f"bench: {message}; see spotline bench --help")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    common = _Parser(add_help=False)
+    common = UsageErrorParser(add_help=False)
     common.add_argument(
         "--output", default=DEFAULT_OUTPUT, help=f"results folder (default {DEFAULT_OUTPUT})"
     )
@@ -127,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"run the benchmark on every rung of a family's ladder ({', '.join(LADDERS)}) "
         "and print its ratios against the parameters",
     )
-    parser = _Parser(
+    parser = UsageErrorParser(
         prog="spotline bench",
         description="side-by-side benchmarks of real training runs on this machine",
     )
@@ -416,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
 
     def work(args: argparse.Namespace) -> int:
-        from spotline.tracking import write_json_atomic
+        from spotline.atomic_files import write_json_atomic
 
         settings = settings_from_args(args)
         if args.ladder is None:

@@ -3,7 +3,7 @@
 Trains the config's model (a plain Hugging Face causal LM, no pipeline) with one logical
 worker per process, on the global sampler's batches, either through DeepSpeed's stock
 ``DeepSpeedEngine`` (``deepspeed.initialize``: a float all-reduce of the gradients) or through
-``spotline.dp_engine.ExactDataParallelEngine`` (the same engine with the exact reduction over
+``spotline.exact.dp_engine.ExactDataParallelEngine`` (the same engine with the exact reduction over
 logical workers and the logical worker's own dropout seeds). Both loops are the same code
 apart from the engine, so the ratio of their step times is the cost of determinism.
 
@@ -26,13 +26,14 @@ def run(mode: str, config_path: str, steps: int, output: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from spotline import data as sl_data
-    from spotline import dp_engine, models
     from spotline.config import load_config
-    from spotline.engine import deepspeed_config_for
+    from spotline.data.loader import load_corpus
+    from spotline.exact import dp_engine
+    from spotline.models import layers as models
+    from spotline.pipeline.engine import deepspeed_config_for
     from spotline.plan.sampler import GlobalSampler
     from spotline.runtime import configure_process, init_distributed, peak_rss_mib
-    from spotline.trainer import quiet_libraries
+    from spotline.worker.engine_builder import quiet_libraries
 
     cfg = load_config(config_path)
     sl = cfg.spotline
@@ -42,7 +43,7 @@ def run(mode: str, config_path: str, steps: int, output: Path) -> None:
         intra_op_threads=sl.determinism.intra_op_threads, deterministic=sl.determinism.enabled
     )
     hf_config = models.load_hf_config(sl.model.name, sl.model.overrides)
-    corpus = sl_data.load_corpus(
+    corpus = load_corpus(
         sl.data.path, sl.data.tokenizer, sl.model.seq_len, min_sequences=cfg.samples_per_step
     )
     sampler = GlobalSampler(

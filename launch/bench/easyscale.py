@@ -4,7 +4,7 @@ Four measurements, each against its own baseline on the same machine in the same
 
 1. Step time with one logical worker per process (M = N) against DeepSpeed's stock data
    parallelism on the same N processes: the plain ``DeepSpeedEngine`` (``deepspeed.initialize``,
-   a float all-reduce), ``spotline.dp_engine`` (the same engine, exact reduction and the
+   a float all-reduce), ``spotline.exact.dp_engine`` (the same engine, exact reduction and the
    logical worker's dropout seeds) and the full ``spotline train`` (coordinator, one-stage
    pipeline engine, commit barrier). Interleaved rounds, medians, ratios over stock.
 2. The exact reduction against a plain gloo ``all_reduce`` of the model's gradient size
@@ -53,7 +53,7 @@ def run_dp(mode: str, config: Path, workers: int, steps: int, run_dir: Path) -> 
 
 
 def num_parameters(cfg: Any) -> int:
-    from spotline import models
+    from spotline.models import layers as models
 
     hf_config = models.load_hf_config(cfg.spotline.model.name, cfg.spotline.model.overrides)
     model = models.reference_model(hf_config, cfg.spotline.training.seed)
@@ -171,7 +171,7 @@ def format_easyscale(report: dict[str, Any]) -> str:
         f"easyscale: {report['model']}, {report['workers']} processes = logical workers, "
         f"{report['steps']} steps x {report['repeats']} rounds",
         f"  step time  stock DeepSpeedEngine {step['stock']['step_time_s'] * 1000:.1f} ms   "
-        f"exact (spotline.dp_engine) {step['exact']['step_time_s'] * 1000:.1f} ms "
+        f"exact (spotline.exact.dp_engine) {step['exact']['step_time_s'] * 1000:.1f} ms "
         f"({ratios['exact']:.3f}x)   spotline train {step['spotline']['step_time_s'] * 1000:.1f} ms "
         f"({ratios['spotline']:.3f}x)",
         f"  round by round over stock, median (min-max): exact {format_spread(report['spread']['exact'])}, "

@@ -24,7 +24,7 @@ from spotline.launch.bench.alternate import (
     log_ready,
     run_alternated_rounds,
 )
-from spotline.launch.bench.instructions import (
+from spotline.launch.bench.instruction_timeline import (
     PROFILES,
     format_paired_cpu,
     format_paired_idle,
@@ -54,7 +54,7 @@ from spotline.launch.bench.jobs import (
     write_config,
 )
 from spotline.launch.bench.rank_group import finish_rank_group, start_rank_group
-from spotline.report import counted
+from spotline.reports.timeline import counted
 
 STOCK_MODULE = "spotline.launch.bench.stock_worker"
 

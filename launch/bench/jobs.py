@@ -167,7 +167,7 @@ def resolve_base_config(settings: BenchSettings, overrides: dict[str, Any]) -> A
 
 
 def write_config(cfg: Any, path: Path) -> Path:
-    from spotline.tracking import write_json_atomic
+    from spotline.atomic_files import write_json_atomic
 
     write_json_atomic(path, cfg.to_json())
     return path

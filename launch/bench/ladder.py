@@ -71,7 +71,7 @@ def ladder_models(family: str) -> tuple[str, ...]:
 
 def parameters(model: str) -> int:
     """The model's parameter count (tied weights once), from its config; imports torch."""
-    from spotline import models
+    from spotline.models import layers as models
 
     hf_config = models.load_hf_config(model)
     module = models.reference_model(hf_config, 0)
@@ -175,7 +175,7 @@ def plot_ladder(report: dict[str, Any], path: Path) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from spotline.tracking import write_bytes_atomic
+    from spotline.atomic_files import write_bytes_atomic
 
     figure = Figure(figsize=(7, 4.2))
     FigureCanvasAgg(figure)

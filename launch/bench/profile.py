@@ -2,7 +2,7 @@
 
 The foundation's three engines (Spotline with lazy redundancy, Spotline with redundancy off,
 stock DeepSpeed ``PipelineEngine``) on the same model and topology, one run each with
-``SPOTLINE_INSTRUCTION_PROFILE`` set (:mod:`spotline.instruction_profile`): every rank times
+``SPOTLINE_INSTRUCTION_PROFILE`` set (:mod:`spotline.pipeline.instruction_profile`): every rank times
 every schedule instruction it executes, on the wall clock and in CPU time. The table gives
 milliseconds per step by instruction, wall / CPU, the mean over ranks (the first step of each
 rank left out); what a step spends outside the schedule (the loop, the loss, the store) is
@@ -11,7 +11,7 @@ Below it: the CPU of one step summed over the ranks (with more processes than co
 step's floor) and the cores' idle time (cores x step - that CPU).
 
 The second table says which waits leave cores idle, from the ranks' timelines (each
-instruction's start and end on the host's clock, :class:`spotline.instruction_profile.Event`):
+instruction's start and end on the host's clock, :class:`spotline.pipeline.instruction_profile.InstructionSpan`):
 a millisecond at a time, the cores not taken by a computing rank are idle, and that idle time
 is shared among what the other ranks were waiting in. A wait that overlaps another rank's
 work costs nothing; one during which too few ranks compute is what makes a step longer than
@@ -24,14 +24,13 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from spotline.instruction_profile import PROFILE_ENV, WHOLE_STEP, InstructionProfile
 from spotline.launch.bench.foundation import (
     FOUNDATION_VARIANTS,
     VARIANT_FLAGS,
     run_stock,
     topology_overrides,
 )
-from spotline.launch.bench.instructions import format_idle, idle_account, read_profiles
+from spotline.launch.bench.instruction_timeline import format_idle, idle_account, read_profiles
 from spotline.launch.bench.jobs import (
     BenchSettings,
     machine_info,
@@ -40,6 +39,7 @@ from spotline.launch.bench.jobs import (
     run_spotline_train,
     write_config,
 )
+from spotline.pipeline.instruction_profile import PROFILE_ENV, WHOLE_STEP, InstructionProfile
 
 PROFILE_VARIANTS = FOUNDATION_VARIANTS
 

@@ -27,7 +27,7 @@ from spotline.launch.bench.jobs import (
 def bench_reduce(
     settings: BenchSettings, elements: int, ranks: int, logical_workers: int
 ) -> dict[str, Any]:
-    """spotline.exact.exact_sum against a float all_reduce of the same gradients, side by
+    """spotline.exact.reduction.exact_sum against a float all_reduce of the same gradients, side by
     side in one set of gloo processes (launch/bench/reduce_worker.py)."""
     if elements < 1 or ranks < 1 or logical_workers < ranks or logical_workers % ranks:
         raise UserError(

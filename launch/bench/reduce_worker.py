@@ -3,7 +3,7 @@
 Each rank hosts ``logical_workers / ranks`` logical workers with a gradient of
 ``elements`` float32 values each, and times, alternating, ``repeats`` rounds of
 (a) the usual data-parallel reduction: sum the local workers' gradients in float, then a
-gloo all_reduce SUM of float32; (b) :func:`spotline.exact.exact_sum`. Rank 0 writes the
+gloo all_reduce SUM of float32; (b) :func:`spotline.exact.reduction.exact_sum`. Rank 0 writes the
 medians and the payload sizes to ``--out`` as JSON.
 """
 
@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from spotline.exact import bytes_sent_per_process, exact_sum, ring_bytes
+from spotline.exact.reduction import bytes_sent_per_process, exact_sum, ring_bytes
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
             total += g
         dist.all_reduce(total)
 
-    # As training reduces (spotline.exact.LogicalGradients): into a buffer kept across steps.
+    # As training reduces (spotline.exact.reduction.LogicalGradients): into a buffer kept across steps.
     out = torch.empty(args.elements, dtype=torch.float32)
 
     def exact() -> None:

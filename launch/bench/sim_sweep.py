@@ -16,7 +16,8 @@ import os
 import time
 
 from spotline.sim.calibration import load_calibration
-from spotline.sim.engine import POLICIES, SimConfig, versus_references
+from spotline.sim.results import versus_references
+from spotline.sim.sim_config import POLICIES, SimConfig
 from spotline.sim.sweep import sweep
 
 RATES: tuple[float, ...] = (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5)

@@ -1,11 +1,11 @@
 """One rank of the stock-DeepSpeed baseline that ``spotline bench foundation`` compares against.
 
-Trains the same PipelineModule (``spotline.models.build_pipeline_module``) on the same batches
+Trains the same PipelineModule (``spotline.models.layers.build_pipeline_module``) on the same batches
 (the global sampler, by step, pipeline and micro-batch) for the same steps as ``spotline
 train``, but through ``deepspeed.initialize`` and DeepSpeed's own ``PipelineEngine`` and
 ``TrainSchedule``: no Spotline engine subclass, no per-layer reseeding, no exact tied-weight
 reduction. Its steps run through the loop Spotline's entry points use
-(``spotline.loop.run_steps``, with only its loss and time log), so the two numbers are taken
+(``spotline.worker.loop.run_steps``, with only its loss and time log), so the two numbers are taken
 by the same clocks; only the step function differs (DeepSpeed's ``train_batch``).
 
 A tied model (GPT-2's LM head is its token embedding) is tied the stock way
@@ -51,7 +51,7 @@ def deepspeed_tied(specs: list[Any]) -> list[Any]:
     of one key, the head's forward :func:`tied_head_forward`. Untied models are unchanged."""
     from deepspeed.pipe import TiedLayerSpec
 
-    from spotline.models import TiedLMHeadPipe, TokenEmbeddingPipe
+    from spotline.models.layers import TiedLMHeadPipe, TokenEmbeddingPipe
 
     if specs[-1].typename is not TiedLMHeadPipe:
         return specs
@@ -76,17 +76,17 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
-    from spotline import models
     from spotline.config import load_config
-    from spotline.engine import deepspeed_config_for, step_batches
-    from spotline.instruction_profile import (
+    from spotline.data.inputs import prepare_inputs
+    from spotline.launch.bench.alternate import READY_MARK
+    from spotline.models import layers as models
+    from spotline.pipeline.engine import deepspeed_config_for, step_batches
+    from spotline.pipeline.instruction_profile import (
         InstructionProfile,
         instrument,
         profile_dir,
         write_profile,
     )
-    from spotline.launch.bench.alternate import READY_MARK
-    from spotline.loop import StepDone, StepHooks, StepLog, run_steps
     from spotline.plan.sampler import GlobalSampler
     from spotline.runtime import (
         configure_process,
@@ -94,7 +94,8 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
         peak_rss_mib,
         seed_everything,
     )
-    from spotline.trainer import prepare_inputs, quiet_libraries
+    from spotline.worker.engine_builder import quiet_libraries
+    from spotline.worker.loop import StepDone, StepHooks, StepLog, run_steps
 
     cfg = load_config(config_path)
     sl = cfg.spotline
@@ -167,7 +168,7 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
     dist.all_gather(gathered, mine)
     result: dict[str, Any] | None = None
     if rank == 0:
-        from spotline.tracking import write_json_atomic
+        from spotline.atomic_files import write_json_atomic
 
         result = {
             "engine": "deepspeed.runtime.pipe.engine.PipelineEngine (deepspeed.initialize)",

@@ -5,7 +5,7 @@ first pipeline) is SIGKILLed in the forward pass of step ``--kill-at``. Its stag
 over from the replica its predecessor holds (no checkpoint read). The run's own recovery
 figure runs from the coordinator noticing the loss to the next committed step; it is split
 with what the workers measured as they set the new generation up
-(:class:`spotline.protocol.GenerationSetup`, the slowest member of each phase):
+(:class:`spotline.wire.protocol.GenerationSetup`, the slowest member of each phase):
 
 - ``redo``: the interrupted step, run again on the new layout (its step time);
 - ``takeover``: the rest: the loss noticed and planned, the survivors' old generation torn

@@ -6,11 +6,11 @@ command: started with ``python -m`` inside a namespace machine, one rank per mac
 
 Rank 0 (the sender) hosts the rendezvous store on its own address; rank 1 (the receiver)
 listens for the plain TCP connection on its own. Both bind gloo to ``--iface``
-(spotline.net.gloo_environment, as an agent's workers do). The same ``N`` bytes (one float32
+(spotline.wire.net.gloo_environment, as an agent's workers do). The same ``N`` bytes (one float32
 tensor) go from rank 0 to rank 1 ``K`` times each way, alternating which goes first:
 
 - gloo: ``batch_isend_irecv`` of one ``P2POp`` pair, as a replica rebuild sends a stage
-  (spotline.elastic ``_receive_own_stages``);
+  (spotline.worker.state_transfer ``prepare_exchange``);
 - tcp: ``socket.sendall`` of the tensor's memory and ``recv_into`` the receiver's tensor.
 
 Each timed transfer starts after a barrier and ends when the sender has the receiver's
@@ -29,7 +29,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from spotline import net
+from spotline.wire import net
 
 ACK = b"k"
 

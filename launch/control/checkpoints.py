@@ -5,9 +5,9 @@ coordinator commits a step (writes its manifest, with the losses and learning ra
 steps before it and the evaluations up to it, so that a resumed run's summary has every
 step and a resumed run knows its best evaluation) once every stage's file is
 there. Only the manifest half of the checkpoints is read here
-(:mod:`spotline.checkpoint_manifest`, no torch): the workers wrote every file and its
+(:mod:`spotline.checkpointing.manifest`, no torch): the workers wrote every file and its
 sidecar already. A worker that cannot write a file says so in the store
-(:class:`~spotline.protocol.CheckpointWriteError` under ``checkpoint-error/<n>``); such a
+(:class:`~spotline.wire.protocol.CheckpointWriteError` under ``checkpoint-error/<n>``); such a
 step is never committed, and ``checkpoints.on_write_error`` decides whether the job stops
 (:class:`~spotline.launch.control.supervisor.JobError`) or trains on without it.
 """
@@ -18,11 +18,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from spotline.checkpoint_manifest import MANIFEST, commit_manifest, latest_complete, step_dir
+from spotline.checkpointing.manifest import MANIFEST, commit_manifest, latest_complete, step_dir
 from spotline.config import RunConfig
 from spotline.launch.control.metrics import RunMetrics
 from spotline.launch.control.supervisor import JobError
-from spotline.protocol import CheckpointWriteError, Store, checkpoint_error_key
+from spotline.wire.protocol import CheckpointWriteError, Store, checkpoint_error_key
 
 # The manifest's metadata key of the evaluations up to its step (a resume reports them).
 EVALUATIONS = "evaluations"

@@ -12,8 +12,9 @@ trace's clock is. An arrival is awaited when its start-up must not decide at whi
 trains: the members stop at a boundary a little ahead and the next plan waits for it
 (:attr:`FaultDelivery.awaited_joiners`).
 
-What it needs of the job is :class:`JobView` (the coordinator): the step reached, the
-current generation and layout, and a way to ask the members to stop at a boundary.
+What it needs of the job is :class:`JobView` (the members' progress,
+:class:`~spotline.launch.control.job_state.Progress`): the step reached, what was published
+(the current generation and layout), and a way to ask the members to stop at a boundary.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 from typing import Protocol
 
 from spotline.config import RunConfig
+from spotline.launch.control.job_state import JobState
 from spotline.launch.control.metrics import RunMetrics
 from spotline.launch.control.supervisor import Supervisor
 from spotline.plan.chaos import (
@@ -36,25 +38,21 @@ from spotline.plan.chaos import (
     replay_trace,
     trace_cycle,
 )
-from spotline.plan.layout import Layout
 from spotline.plan.traces import load_trace
-from spotline.protocol import Store, ready_key, stop_key
+from spotline.wire.protocol import Store, ready_key, stop_key
 
 
 class JobView(Protocol):
     """What fault delivery reads of the job, and the one thing it asks of it."""
 
     @property
-    def generation(self) -> int: ...
-
-    @property
-    def layout(self) -> Layout | None: ...
+    def state(self) -> JobState:
+        """What was published: the current generation, its layout and members."""
+        ...
 
     def max_progress(self) -> int:
         """The highest step a member of the current generation has started."""
         ...
-
-    def members(self) -> list[str]: ...
 
     def request_boundary(self, at_step: int | None = None) -> None:
         """Ask the members to stop at a step boundary (``at_step`` or a little ahead)."""
@@ -258,7 +256,7 @@ class FaultDelivery:
                 wid = self.supervisor.spawn()
                 self.awaited_joiners.add(wid)
                 self.metrics.event("arrived", worker=wid, from_step=inj.number)
-                key = stop_key(self.job.generation)
+                key = stop_key(self.job.state.generation)
                 if not self.store.check([key]):
                     self.store.set(key, str(max(inj.step, progress + 2)))
                 continue
@@ -297,12 +295,12 @@ class FaultDelivery:
             return
         if progress < due.step or self.awaited_joiners:
             return
-        generation = self.job.generation
-        if not all(self.store.check([ready_key(generation, w)]) for w in self.job.members()):
+        generation = self.job.state.generation
+        if not all(self.store.check([ready_key(generation, w)]) for w in self.job.state.members()):
             return  # the generation is still being set up: remove from a training one
         self.rescales.pop(0)
         self.metrics.event("rescale", from_step=due.number, workers=due.num_workers, live=len(live))
-        layout = self.job.layout
+        layout = self.job.state.layout
 
         def loss_cost(w: str) -> tuple[int, int, int]:
             if layout is None or w not in layout.members:

@@ -4,7 +4,7 @@ process handles.
 :class:`Machines` admits the machines the agents registered (``machine/<n>``, sealed with the
 job token; one that is not is refused, ``admit/<n>`` says why), tells whether an agent still
 heartbeats, fences a machine declared lost (``fenced/<m>``) and sends orders
-(:class:`~spotline.protocol.Order`). A worker
+(:class:`~spotline.wire.protocol.Order`). A worker
 started on a machine is an :class:`AgentProcess`: the part of ``subprocess.Popen``'s
 interface the supervisor uses (``poll``, ``wait``, ``send_signal``, ``kill``), answered
 through the store (its agent writes ``exit/<w>``), so the supervisor treats a worker on
@@ -20,15 +20,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from spotline.auth import AuthStore, is_sealed, unsealed_payload
-from spotline.launch.control.liveness import Pokes
-from spotline.protocol import (
+from spotline.launch.control.liveness_probe import Pokes
+from spotline.wire.agent_messages import Admission, MachineInfo, Order, Signal
+from spotline.wire.auth import AuthStore, is_sealed, unsealed_payload
+from spotline.wire.protocol import (
     JOB_END_KEY,
     MACHINES_COUNTER,
-    Admission,
-    MachineInfo,
-    Order,
-    Signal,
     admit_key,
     agent_done_key,
     agent_heartbeat_key,

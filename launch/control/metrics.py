@@ -1,10 +1,10 @@
 """Run metrics: what the coordinator counts and records, and the run's summary.
 
 :class:`RunMetrics` holds the run's counters (preemptions, recoveries, checkpoint
-fallbacks, steps redone), its events and timeline (``spotline.report``), the per-step
+fallbacks, steps redone), its events and timeline (``spotline.reports.timeline``), the per-step
 losses, learning rates and step times, and what each worker measured (its last
-:class:`~spotline.protocol.Report`), and the evaluations rank 0 reports
-(:class:`~spotline.protocol.EvalResult`). It prints the progress lines (a line every tenth
+:class:`~spotline.wire.protocol.Report`), and the evaluations rank 0 reports
+(:class:`~spotline.wire.protocol.EvalResult`). It prints the progress lines (a line every tenth
 of the run, one per evaluation) and builds ``summary.json`` (:meth:`RunMetrics.summary`)
 and the wandb log.
 
@@ -26,9 +26,17 @@ from typing import Any
 
 from spotline.config import RunConfig
 from spotline.plan.evaluation import eval_steps
-from spotline.plan.layout import Layout
+from spotline.plan.grid import Layout
 from spotline.plan.placement import Exposure
-from spotline.protocol import (
+from spotline.reports.timeline import (
+    HUNG_EVENTS,
+    THROUGHPUT_EVERY_S,
+    Timeline,
+    TimelineRow,
+    summarize_recoveries,
+)
+from spotline.reports.tracking import Tracker, eval_fields, eval_line
+from spotline.wire.protocol import (
     FINAL_HASH_KEY,
     CheckpointWriteError,
     EvalResult,
@@ -39,14 +47,6 @@ from spotline.protocol import (
     loss_key,
     lr_key,
 )
-from spotline.report import (
-    HUNG_EVENTS,
-    THROUGHPUT_EVERY_S,
-    Timeline,
-    TimelineRow,
-    summarize_recoveries,
-)
-from spotline.tracking import Tracker, eval_fields, eval_line
 
 # The heavy modules a process may hold, listed in summary.json as those the coordinator's
 # process loaded ("coordinator_heavy_modules"): torch alone, and only for the job store
@@ -56,9 +56,9 @@ HEAVY_MODULES = (
     "torch",
     "deepspeed",
     "transformers",
-    "spotline.checkpoint",
-    "spotline.engine",
-    "spotline.models",
+    "spotline.checkpointing.checkpoint",
+    "spotline.pipeline.engine",
+    "spotline.models.layers",
 )
 
 
@@ -477,7 +477,7 @@ class RunMetrics:
             # backward pass (StreamUntiedGrads).
             "replica_sends_in_backward_per_rank": [st.replica_sends_in_backward for st in stats],
             # Counted from the tensors at each step's commit point, peak per kind
-            # (spotline.memory); RSS above also holds the interpreter and the allocator's caches.
+            # (spotline.pipeline.memory); RSS above also holds the interpreter and the allocator's caches.
             "model_state_bytes_per_rank": [st.model_state.to_json() for st in stats],
             # Each worker's generations as it set them up: the gloo group, the engine, the
             # state (from memory, a peer or the replica ring) and the bytes that moved.

@@ -1,9 +1,11 @@
-"""From the live workers' reports to the next generation's plan, and the recovery policies.
+"""From the live workers' reports to the next generation's plan.
 
-:class:`Planner` holds what the coordinator has told the workers (the current layout, the
-step it resumes from, which workers have been given an entry generation) and publishes each
-generation's :class:`~spotline.protocol.Plan`:
+:class:`Planner` writes what the coordinator has told the workers (the current layout, the
+step it resumes from, which workers have been given an entry generation: the
+:class:`~spotline.launch.control.job_state.JobState` every part reads) and publishes each
+generation's :class:`~spotline.wire.protocol.Plan`:
 
+- :meth:`Planner.start`: generation 0, from step 0 or from a ``--resume``'s checkpoint.
 - :meth:`Planner.replan`: the committed step and a layout from what the workers hold
   (:func:`spotline.plan.layout.plan_generation`), state moved in memory; a first start if
   nothing was trained yet; a fatal loss (a stage held by nobody) reads the last checkpoint.
@@ -11,25 +13,22 @@ generation's :class:`~spotline.protocol.Plan`:
   over from step 0 without one).
 - :meth:`Planner.restart_all`: every worker is replaced, then :meth:`Planner.restore`.
 
-A recovery policy (:class:`RecoveryPolicy`) decides what a *failure* (a member lost) leads to,
-and the checkpoint interval it needs; arrivals and departures at a step boundary are a
-:meth:`Planner.replan` whatever the policy. The policies are keyed by the names of
-:mod:`spotline.plan.policies`, which the simulator shares. A new policy is one new subclass
-added to :data:`POLICIES` (and its name to that vocabulary).
+A recovery policy (:mod:`spotline.sim.recovery_policies`, beside the simulator's model of it)
+decides what a *failure* (a member lost) leads to, with these methods, and the checkpoint
+interval it needs; arrivals and departures at a step boundary are a :meth:`Planner.replan`
+whatever the policy.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
-from types import MappingProxyType
-from typing import ClassVar, Protocol
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
-from spotline.checkpoint_manifest import interval_steps
 from spotline.config import RunConfig
 from spotline.launch.control.checkpoints import CheckpointCommits
+from spotline.launch.control.job_state import JobState
 from spotline.launch.control.metrics import RunMetrics
 from spotline.launch.control.supervisor import Supervisor
 from spotline.plan.exposure import (
@@ -39,53 +38,45 @@ from spotline.plan.exposure import (
     is_burst,
     observed_mtbf_s,
 )
+from spotline.plan.grid import Layout, pipeline_name
 from spotline.plan.layout import (
     FatalLoss,
-    Layout,
     ShardSource,
     WaitForCapacity,
     WorkerReport,
     choose_layout,
-    pipeline_name,
+    initial_layout,
     plan_generation,
 )
 from spotline.plan.logical import assign_logical_workers, worth_moving
 from spotline.plan.placement import (
     exposures,
 )
-from spotline.plan.policies import CheckpointRestart, Failover, RecoveryMode
-from spotline.protocol import Plan, PlanAction, Store, entry_key, plan_key, report_key
+from spotline.sim.recovery_policies import RECOVERY_POLICIES as POLICIES
+from spotline.wire.protocol import Plan, PlanAction, Store, entry_key, plan_key, report_key
 
 POLL_S = 0.02
 RECOVERY_WAIT_S = 120  # longest wait for a first committed step after a change
 
 
-class Conductor(Protocol):
-    """What the planner reads of the coordinator's generation loop, and asks of it."""
+@dataclass(frozen=True)
+class LoopHooks:
+    """What the planner asks of the generation loop's other parts (their methods, handed
+    to it: it holds no reference to the coordinator)."""
 
-    @property
-    def generation(self) -> int: ...
-
-    @property
-    def generation_end_t(self) -> float | None:
-        """When the last generation's first member reported (None: not yet ended)."""
-        ...
-
-    def max_progress(self) -> int: ...
-
-    def wait_for_joiners(self) -> list[str]:
-        """Block until a started worker has joined (or raise: none can come)."""
-        ...
-
-    def poll_workers(self) -> list[str]:
-        """The workers that exited or whose machine was lost since the last call, each
-        handled (a member's loss aborts its generation's collectives and starts the
-        recovery clock)."""
-        ...
-
-    def stop_keys(self, generation: int) -> None:
-        """Tell ``generation`` where a requested stop is, before its plan is published."""
-        ...
+    max_progress: Callable[[], int]
+    """The highest step a member of the current generation has started
+    (:meth:`~spotline.launch.control.job_state.Progress.max_progress`)."""
+    wait_for_joiners: Callable[[], object]
+    """Block until a started worker has joined, or raise: none can come
+    (:meth:`~spotline.launch.control.admission.Admitter.wait_for_joiners`)."""
+    poll_workers: Callable[[], list[str]]
+    """The workers that exited or whose machine was lost since the last call, each handled:
+    a member's loss aborts its generation's collectives and starts the recovery clock
+    (:meth:`~spotline.launch.control.watch.Losses.poll`)."""
+    stop_keys: Callable[[int], None]
+    """Tell a generation where a requested stop is, before its plan is published
+    (:meth:`~spotline.launch.control.stopping.StopProtocol.stop_keys`)."""
 
 
 class Planner:
@@ -98,21 +89,22 @@ class Planner:
         supervisor: Supervisor,
         metrics: RunMetrics,
         checkpoints: CheckpointCommits,
-        conductor: Conductor,
+        state: JobState,
+        loop: LoopHooks,
         *,
         cluster: bool = False,
     ) -> None:
-        """``cluster``: the workers run on joined machines, a preemption takes a machine
-        (False: ``spotline train``, whose faults take single workers)."""
+        """``state``: what was published, which the planner writes (the layout, the resume
+        step, the workers included) and reads (the generation in flight and when the last
+        one ended); ``cluster``: the workers run on joined machines, a preemption takes a
+        machine (False: ``spotline train``, whose faults take single workers)."""
         self.cfg = cfg
         self.store = store
         self.supervisor = supervisor
         self.metrics = metrics
         self.checkpoints = checkpoints
-        self.conductor = conductor
-        self.layout: Layout | None = None
-        self.resume_step = 0
-        self.included: set[str] = set()  # workers given an entry generation
+        self.state = state
+        self.loop = loop
         # Exposure checkpoints (spotline.plan.exposure): a failure domain is what one
         # preemption takes, a machine of a cluster or a worker of ``spotline train``.
         self.cluster = cluster
@@ -121,7 +113,29 @@ class Planner:
         self.bursts = 0  # failures that took members on two domains or more at once
         # Sharded replicas: a stage's replica holders are one copy between them.
         redundancy = cfg.spotline.redundancy
-        self.sharded = redundancy.mode != "off" and redundancy.replica == "sharded"
+        self.sharded = redundancy.on and redundancy.replica == "sharded"
+
+    # -- what was published ------------------------------------------------------------------
+    @property
+    def layout(self) -> Layout | None:
+        return self.state.layout
+
+    @layout.setter
+    def layout(self, layout: Layout | None) -> None:
+        self.state.layout = layout
+
+    @property
+    def resume_step(self) -> int:
+        return self.state.resume_step
+
+    @resume_step.setter
+    def resume_step(self, step: int) -> None:
+        self.state.resume_step = step
+
+    @property
+    def included(self) -> set[str]:
+        """Workers given an entry generation."""
+        return self.state.included
 
     # -- publishing ---------------------------------------------------------------------------
     def include(self, wid: str, generation: int) -> None:
@@ -130,11 +144,11 @@ class Planner:
         self.store.set(entry_key(wid), str(generation))
 
     def members(self) -> list[str]:
-        return [] if self.layout is None else list(self.layout.members)
+        return self.state.members()
 
     def publish(self, generation: int, plan: Plan) -> None:
         if plan.action != "finish":
-            self.conductor.stop_keys(generation)  # a stop chosen earlier holds for this one too
+            self.loop.stop_keys(generation)  # a stop chosen earlier holds for this one too
         if plan.layout is not None:
             on = {w: self.supervisor.machine_of(w) for w in plan.layout.members}
             exposed = exposures(plan.layout, on, sharded=self.sharded)
@@ -167,6 +181,35 @@ class Planner:
             shard_sources=tuple(shard_sources),
         )
 
+    def start(self, workers: list[str], resume_from: int | None) -> None:
+        """Generation 0 on the run's first ``workers``: from step 0, or every member reads
+        the checkpoint at ``resume_from`` (no transfers)."""
+        S, P = self.cfg.num_stages, self.cfg.num_pipelines
+        self.layout = initial_layout(
+            S,
+            P,
+            workers,
+            elastic=True,
+            machines={w: self.supervisor.machine_of(w) for w in workers},
+            capacity=self.cfg.capacity,
+            sharded=self.sharded,
+        )
+        if self.layout is None:
+            # Fewer starting workers than the model needs within redundancy.stages_per_worker
+            # (a trace's first nodes): they stand by, and the next generation waits for more.
+            self.note_short(len(workers))
+        if resume_from is None:
+            self.publish(0, self.plan("train", self.layout, 0, {}, []))
+            return
+        self.resume_step = resume_from
+        holders = {s: list(workers) for s in range(S)}
+        self.publish(
+            0,
+            self.plan(
+                "restore", self.layout, resume_from, holders, [], checkpoint_step=resume_from
+            ),
+        )
+
     def domain(self, worker: str) -> str:
         """What one preemption takes with ``worker``: its machine in a cluster, itself in
         ``spotline train`` (one local machine, whose faults and traces take workers)."""
@@ -183,7 +226,7 @@ class Planner:
         base = self.checkpoints.interval_steps
         if layout is None:
             return base, 0
-        replicas = self.cfg.spotline.redundancy.mode != "off"
+        replicas = self.cfg.spotline.redundancy.on
         exposed = bool(exposed_stages(layout, self.domain, replicas=replicas, sharded=self.sharded))
         policy = POLICIES[self.cfg.spotline.recovery.mode]
         # base 0: checkpoints are off (the user's choice), exposed or not.
@@ -231,21 +274,19 @@ class Planner:
         if not worth_moving(even, assignment, speeds):
             # Measurements are noisy: an even split unless speeds clearly differ.
             assignment = even
-        self.metrics.placements.append(
-            layout.logical_placement(self.conductor.generation, assignment)
-        )
+        self.metrics.placements.append(layout.logical_placement(self.state.generation, assignment))
         return {p: tuple(ws) for p, ws in assignment.items()}
 
     # -- the next generation ----------------------------------------------------------------
     def replan(
         self, reports: list[WorkerReport], *, failure: bool, reached: int, ready_t: float
     ) -> None:
-        """Plan generation ``conductor.generation`` from what the live workers hold.
+        """Plan generation ``state.generation`` from what the live workers hold.
 
         ``reached``: the step in flight when the last generation ended; ``ready_t``: when
         everyone had stopped (a change without a failure is timed from there)."""
         S, P = self.cfg.num_stages, self.cfg.num_pipelines
-        g = self.conductor.generation
+        g = self.state.generation
         if failure and self.layout is not None:
             # The members the failure took, by failure domain: a burst or a single loss.
             live = {r.worker for r in reports}
@@ -271,7 +312,7 @@ class Planner:
             self.metrics.event("plan", generation=g, stages="fresh start" if layout else "waiting")
             if layout is None:
                 self.note_short(len(reports))
-                self.conductor.wait_for_joiners()
+                self.loop.wait_for_joiners()
             return
         if isinstance(result, FatalLoss):
             self.metrics.event("fatal-loss", stages=list(result.lost_stages))
@@ -297,7 +338,7 @@ class Planner:
             self.publish(g, self.plan("train", None, result.resume_step, holders, ()))
             # Nothing trains until a worker arrives and joins: wait for one. The state
             # stays in the survivors' memory meanwhile (no fallback).
-            self.conductor.wait_for_joiners()
+            self.loop.wait_for_joiners()
             return
         layout = result.layout
         if failure:
@@ -321,7 +362,7 @@ class Planner:
             stages="/".join("+".join(map(str, gr)) for gr in layout.groups),
             resume=result.resume_step,
         )
-        generation_end_t = self.conductor.generation_end_t
+        generation_end_t = self.state.generation_end_t
         # This change's clock is read now: a loss while it is awaited starts the next one's.
         started = self.metrics.pending_failure_t or self.metrics.now()
         self.metrics.pending_failure_t = None
@@ -361,9 +402,9 @@ class Planner:
         while time.monotonic() < deadline:
             # A loss now (a machine gone silent while the generation sets up) is handled at
             # once, as while it trains: its peers must not wait on it.
-            if self.conductor.poll_workers():
+            if self.loop.poll_workers():
                 break
-            if self.conductor.max_progress() >= target or all(
+            if self.loop.max_progress() >= target or all(
                 self.store.check([report_key(g, w)]) for w in self.members()
             ):
                 break
@@ -408,7 +449,7 @@ class Planner:
             self.metrics.event("restart-from-scratch")
             if layout is None:
                 self.note_short(len(everyone))
-                self.conductor.wait_for_joiners()
+                self.loop.wait_for_joiners()
                 return
         else:
             usable = {s: [r.worker for r in reports] for s in range(S)}
@@ -432,7 +473,7 @@ class Planner:
             self.metrics.event("checkpoint-fallback", step=step)
             if layout is None:
                 self.note_short(len(everyone))
-                self.conductor.wait_for_joiners()
+                self.loop.wait_for_joiners()
                 return
         self._await_recovered(
             g, self.metrics.pending_failure_t or self.metrics.now(), in_memory=False
@@ -447,7 +488,7 @@ class Planner:
         for w in survivors:
             self.supervisor[w].proc.wait()
             self.supervisor[w].alive = False
-        g = self.conductor.generation
+        g = self.state.generation
         fresh = []
         for _ in survivors:
             wid = self.supervisor.spawn()
@@ -457,66 +498,3 @@ class Planner:
         self.restore(
             [WorkerReport(w, machine=self.supervisor.machine_of(w)) for w in fresh], g, reached
         )
-
-
-# -- recovery policies ---------------------------------------------------------------------
-
-
-class RecoveryPolicy(ABC):
-    """What a failure (a member lost) leads to, and the checkpoint interval it needs."""
-
-    name: ClassVar[RecoveryMode]
-    exposure_checkpoints: ClassVar[bool] = False
-    """Whether an exposed plan checkpoints off the interval (spotline.plan.exposure): for a
-    policy that survives losses in memory."""
-
-    def checkpoint_interval(self, cfg: RunConfig, mtbf_s: float | None) -> int:
-        """Steps between checkpoints (0: none); ``mtbf_s``: wall seconds between the
-        preemptions this run expects (None: none)."""
-        return cfg.spotline.checkpoints.interval_steps
-
-    @abstractmethod
-    def recover(
-        self, planner: Planner, reports: list[WorkerReport], *, reached: int, ready_t: float
-    ) -> None:
-        """Plan the generation after a failure, from the survivors' reports."""
-
-
-class FailoverPolicy(RecoveryPolicy):
-    """Bamboo's takeover in memory; a fatal loss reads the last checkpoint."""
-
-    name: ClassVar[Failover] = "failover"
-    exposure_checkpoints: ClassVar[bool] = True
-
-    def recover(
-        self, planner: Planner, reports: list[WorkerReport], *, reached: int, ready_t: float
-    ) -> None:
-        planner.replan(reports, failure=True, reached=reached, ready_t=ready_t)
-
-
-class CheckpointRestartPolicy(RecoveryPolicy):
-    """The baseline: every worker is replaced and reads the last checkpoint, written at the
-    Young/Daly interval unless one is given."""
-
-    name: ClassVar[CheckpointRestart] = "checkpoint-restart"
-
-    def checkpoint_interval(self, cfg: RunConfig, mtbf_s: float | None) -> int:
-        """Given, or Young/Daly: sqrt(2 * checkpoint cost * MTBF), in steps."""
-        given = cfg.spotline.checkpoints.interval_steps
-        if given > 0:
-            return given
-        if mtbf_s is None:
-            return 0
-        rec = cfg.spotline.recovery
-        return interval_steps(rec.step_time_estimate_s, rec.checkpoint_cost_s, max(mtbf_s, 1e-3))
-
-    def recover(
-        self, planner: Planner, reports: list[WorkerReport], *, reached: int, ready_t: float
-    ) -> None:
-        planner.restart_all(reports, reached)
-
-
-POLICIES: Mapping[RecoveryMode, RecoveryPolicy] = MappingProxyType(
-    {policy.name: policy for policy in (FailoverPolicy(), CheckpointRestartPolicy())}
-)
-"""The runtime's recovery policies by name (``spotline.recovery.mode``)."""

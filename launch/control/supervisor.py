@@ -1,10 +1,12 @@
 """Process supervision: the worker processes the coordinator started, and what became of them.
 
-A worker is started with :meth:`Supervisor.spawn` (``python -m spotline.launch.elastic_worker``) by the
-agent of a machine that joined (:mod:`spotline.launch.agent`, ordered through
+A worker is started with :meth:`Supervisor.spawn` (``python -m`` the worker's module,
+:data:`~spotline.launch.control.entry_points.WORKER_MODULE`) by the agent of a machine that
+joined (:mod:`spotline.launch.agent`, ordered through
 :class:`~spotline.launch.control.machines.Machines`; ``spotline train`` runs one local
-agent), in its own session so that a Ctrl-C at the terminal reaches the coordinator only, polled for exit
-(:meth:`Supervisor.poll`), watched by heartbeat (:meth:`Supervisor.check_heartbeats`),
+agent), in its own session so that a Ctrl-C at the terminal reaches the coordinator only,
+polled for exit (:meth:`Supervisor.poll`), watched by heartbeat
+(:meth:`Supervisor.check_heartbeats`, deciding by :func:`missed_heartbeats`),
 signalled (:meth:`Supervisor.preempt`: a kill or a SIGTERM notice) and stopped
 (:meth:`Supervisor.shutdown`, :meth:`Supervisor.wait_all`). A worker that exits with an
 error it told the store (``error/<w>``) stops the job (:class:`JobError`): an error is not a
@@ -17,17 +19,18 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from spotline.auth import AuthStore
-from spotline.launch.control.liveness import LivenessProbe
+from spotline.launch.control.entry_points import WORKER_MODULE
+from spotline.launch.control.liveness_probe import LivenessProbe
 from spotline.launch.control.machines import AgentProcess, Machines
 from spotline.launch.control.metrics import RunMetrics
-from spotline.protocol import error_key, heartbeat_key, joined_key
 from spotline.run_dir import LOGS_DIR
+from spotline.wire.auth import AuthStore
+from spotline.wire.protocol import error_key, heartbeat_key, joined_key
 
 Fate = Literal["running", "killed", "terminated", "left", "exited", "crashed", "restarted"]
 SHUTDOWN_WAIT_S = 30
@@ -35,9 +38,8 @@ SHUTDOWN_WAIT_S = 30
 # an agent quiet this long means the whole machine is going, which lost_machines() decides.
 AGENT_QUIET_S = 1.0
 # An agent quiet this long (three missed beats) has its liveness port probed: a refused
-# connect proves it dead, and its machine is lost at once (see control/liveness.py).
+# connect proves it dead, and its machine is lost at once (see control/liveness_probe.py).
 PROBE_QUIET_S = 0.3
-WORKER_MODULE = "spotline.launch.elastic_worker"  # run as ``python -m WORKER_MODULE``
 SIGNALLED = (0, -signal.SIGKILL, -signal.SIGTERM)  # exit codes that are no worker error
 
 
@@ -257,18 +259,17 @@ class Supervisor:
 
     def check_heartbeats(self, limit_s: float) -> None:
         """SIGKILL a live worker whose last heartbeat is older than ``limit_s`` (hung)."""
-        now = time.time()
+        beats: dict[str, float | None] = {}
         for w in self.live_ids():
             if self.workers[w].fate == "killed":
                 continue  # killed already: its agent reports the exit
             if self.silent_s(self.workers[w].proc.machine) > AGENT_QUIET_S:
                 continue  # its whole machine is going quiet: lost_machines() decides
             beat = self.store.read(heartbeat_key(w))
-            if beat is not None:
-                last = float(beat.decode())
-                if now - last > limit_s:
-                    self.metrics.event("heartbeat-missed", worker=w, silent_s=round(now - last, 1))
-                    self.kill(w, "killed")
+            beats[w] = None if beat is None else float(beat.decode())
+        for w, silent_s in missed_heartbeats(beats, time.time(), limit_s).items():
+            self.metrics.event("heartbeat-missed", worker=w, silent_s=round(silent_s, 1))
+            self.kill(w, "killed")
 
     def wait_all(self, timeout_s: float) -> None:
         """Wait for every worker to exit; one still running after ``timeout_s`` is killed."""
@@ -303,6 +304,15 @@ class Supervisor:
                 p.proc.wait(timeout=SHUTDOWN_WAIT_S)
             except subprocess.TimeoutExpired:
                 pass
+
+
+def missed_heartbeats(
+    beats: Mapping[str, float | None], now: float, limit_s: float
+) -> dict[str, float]:
+    """The workers whose last heartbeat (``beats``: Unix time; None: none written yet, a
+    worker still starting) is more than ``limit_s`` old at ``now`` (the coordinator's
+    Unix time), each with how long it has been silent, in ``beats``' order."""
+    return {w: now - last for w, last in beats.items() if last is not None and now - last > limit_s}
 
 
 def child_environment() -> dict[str, str]:

@@ -1,7 +1,7 @@
 """One rank of the exact data-parallel engine tests (tests/test_dp_engine.py).
 
 ``dp_worker.py OUT_DIR GROUPS [--poison-worker W] [--oracle]``: a tiny GPT-2 (dropout on)
-trained with spotline.dp_engine for ``STEPS`` steps by ``NUM_LOGICAL_WORKERS`` logical
+trained with spotline.exact.dp_engine for ``STEPS`` steps by ``NUM_LOGICAL_WORKERS`` logical
 workers, ``GROUPS`` saying which ones each rank hosts ("0,1;2,3": rank 0 hosts 0 and 1).
 Writes ``OUT_DIR/rank{r}.json``: every step's loss, the final parameters' SHA-256 and the
 gradient norm before clipping. With ``--poison-worker W`` one more step follows in which
@@ -25,9 +25,10 @@ os.environ.setdefault("DEEPSPEED_TIMEOUT", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from spotline import models
-from spotline.data import PackedCorpus, load_corpus
-from spotline.exact import LogicalGradients, NonFiniteGradient
+from spotline.data.corpus import PackedCorpus
+from spotline.data.loader import load_corpus
+from spotline.exact.reduction import LogicalGradients, NonFiniteGradient
+from spotline.models import layers as models
 from spotline.plan.sampler import GlobalSampler
 from spotline.runtime import configure_process, derive_seed, param_sha256
 
@@ -84,7 +85,7 @@ def micro_batch_loss(model: Any, batch: Batch) -> torch.Tensor:
 
 
 def train_deepspeed(hosted: list[int], poison_worker: int | None) -> dict[str, Any]:
-    from spotline import dp_engine
+    from spotline.exact import dp_engine
 
     model = models.reference_model(hf_config(), SEED)
     engine = dp_engine.initialize(

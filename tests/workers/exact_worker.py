@@ -3,10 +3,10 @@
 Every rank builds the same six logical workers' gradients from a fixed seed. For each case
 on the command line (``GROUPS``, ``GROUPS@POISON`` or either with ``#ELEMENTS``, e.g.
 "0,1,2;3,4,5": rank 0 hosts 0, 1 and 2; ``@4``: logical worker 4's gradient has a NaN;
-``#3000``: chunks of 3000 elements instead of spotline.exact.CHUNK; a case naming
+``#3000``: chunks of 3000 elements instead of spotline.exact.reduction.CHUNK; a case naming
 workers 0 and 1 only sums those two) the first
 ``len(GROUPS)`` ranks keep the gradients it assigns them, reduce them with
-spotline.exact.exact_sum over a gloo group of just those ranks, and write the result's
+spotline.exact.reduction.exact_sum over a gloo group of just those ranks, and write the result's
 SHA-256 (or the error) to ``out_dir/case{i}-rank{r}.json``. One launch runs every case: a
 process group per grouping instead of a set of processes per grouping.
 """
@@ -22,8 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from spotline import exact
-from spotline.exact import NonFiniteGradient, exact_sum
+from spotline.exact import reduction as exact
+from spotline.exact.reduction import NonFiniteGradient, exact_sum
 
 NUM_LOGICAL_WORKERS = 6
 

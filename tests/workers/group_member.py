@@ -1,4 +1,4 @@
-"""One member of a gloo generation set up by spotline.group_setup (tests/test_group_setup.py).
+"""One member of a gloo generation set up by spotline.pipeline.group_setup (tests/test_group_setup.py).
 
 argv: STORE_PORT RANK WORLD FROZEN_RANK. The store is the test's TCPStore. The member whose
 rank is FROZEN_RANK stops itself (SIGSTOP) right after writing its rendezvous address, as a
@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from spotline.group_setup import (
+from spotline.pipeline.group_setup import (
     connected_new_groups,
     group_timeout,
     init_generation_group,
@@ -27,7 +27,7 @@ from spotline.group_setup import (
 )
 
 # Far beyond the test's bound: a member waiting on an unconnected pair would hang it. A
-# group's set-up is bounded at 10 s (spotline.group_setup.SETUP_BOUND) whatever it is.
+# group's set-up is bounded at 10 s (spotline.pipeline.group_setup.SETUP_BOUND) whatever it is.
 COLLECTIVE = timedelta(seconds=900)
 # Past the groups' creation timeout (a fifth of the set-up bound: 2 s), well inside
 # COLLECTIVE: how late rank 1 sends to rank 0, twice.

@@ -4,7 +4,7 @@
 coordinator's namespace); prints ``ready`` once it listens, then waits to be killed.
 
 ``netns_worker.py rank RANK IFACE ADDR PORT [--hold]``: one rank of a world-2 gloo group
-whose store is ADDR:PORT, gloo bound to IFACE through spotline.net.gloo_environment. It
+whose store is ADDR:PORT, gloo bound to IFACE through spotline.wire.net.gloo_environment. It
 all-reduces ``arange(8) * (RANK + 1)`` and prints one JSON line: the sum, its own binding
 and the TCP connections it holds (from /proc/net/tcp, which is per network namespace), so
 the test sees which addresses gloo really used. Then it starts a second all-reduce, unless
@@ -21,7 +21,7 @@ import struct
 import sys
 from datetime import timedelta
 
-from spotline import net
+from spotline.wire import net
 
 ESTABLISHED = "01"
 

@@ -14,7 +14,7 @@ import os
 import sys
 
 from spotline.config import load_config
-from spotline.trainer import setup_worker
+from spotline.worker.launched import setup_worker
 
 
 def main() -> None:

@@ -1,0 +1,1 @@
+../../integration/atomic_files.py

@@ -1,1 +1,0 @@
-../../integration/auth.py

@@ -1,1 +1,0 @@
-../../integration/checkpoint.py

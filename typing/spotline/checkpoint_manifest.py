@@ -1,1 +1,0 @@
-../../integration/checkpoint_manifest.py

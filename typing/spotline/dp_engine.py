@@ -1,1 +1,0 @@
-../../integration/dp_engine.py

@@ -1,1 +1,0 @@
-../../integration/group_setup.py

@@ -1,1 +1,0 @@
-../../integration/instruction_profile.py

@@ -1,1 +1,0 @@
-../../integration/lr_schedule.py

@@ -1,1 +1,0 @@
-../../integration/model_config.py

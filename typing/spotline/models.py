@@ -1,1 +1,0 @@
-../../integration/models.py
