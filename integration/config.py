@@ -266,7 +266,7 @@ class RunConfig:
         return self.spotline.topology.workers
 
     @property
-    def num_pipelines(self) -> int:
+    def num_logical_workers(self) -> int:
         """Logical pipelines (EasyScale's logical workers): fixed for the whole run, whatever
         the number of processes; the sampler, the reduction and the seeds count these."""
         logical = self.spotline.elasticity.logical_workers
@@ -287,7 +287,7 @@ class RunConfig:
     @property
     def samples_per_step(self) -> int:
         """Samples of one optimizer step: the global batch, fixed by the logical topology."""
-        return self.micro_batch_size * self.num_micro_batches * self.num_pipelines
+        return self.micro_batch_size * self.num_micro_batches * self.num_logical_workers
 
     def checkpoint_root(self, output: Path) -> Path:
         """Where a run writing to ``output`` keeps its checkpoints (``checkpoints.dir``, or
@@ -532,7 +532,7 @@ def validate(cfg: RunConfig) -> None:
             raise UserError(
                 f"config key 'train_batch_size' is {ds['train_batch_size']} but micro-batch "
                 f"{cfg.micro_batch_size} x gradient_accumulation_steps {cfg.num_micro_batches} x "
-                f"{cfg.num_pipelines} pipelines is {expected}; remove train_batch_size or make it {expected}"
+                f"{cfg.num_logical_workers} pipelines is {expected}; remove train_batch_size or make it {expected}"
             )
     _check_recoverable(ds)
     if "elasticity" in ds:

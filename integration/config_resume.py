@@ -74,11 +74,11 @@ def resume_mismatch(stopped: RunConfig, resumed: RunConfig) -> str | None:
             if _lookup(old_json, dotted) != _lookup(new_json, dotted):
                 key = dotted
                 break
-    if key is None and stopped.num_pipelines != resumed.num_pipelines:
+    if key is None and stopped.num_logical_workers != resumed.num_logical_workers:
         return (
-            f"spotline.elasticity.logical_workers is {resumed.num_pipelines} here but "
-            f"{stopped.num_pipelines} in the stopped run; it decides the math and must match "
-            f"(pass --logical-workers {stopped.num_pipelines})"
+            f"spotline.elasticity.logical_workers is {resumed.num_logical_workers} here but "
+            f"{stopped.num_logical_workers} in the stopped run; it decides the math and must match "
+            f"(pass --logical-workers {stopped.num_logical_workers})"
         )
     if key is not None:
         old_value, new_value = _lookup(old_json, key), _lookup(new_json, key)

@@ -115,11 +115,11 @@ def train_reference(cfg: RunConfig) -> dict[str, Any]:
         weight_decay=hp["weight_decay"],
     )
 
-    num_pipelines = cfg.num_pipelines
+    num_logical_workers = cfg.num_logical_workers
     num_micro_batches = cfg.num_micro_batches
     sampler = GlobalSampler(
         num_samples=len(corpus),
-        num_logical_workers=num_pipelines,
+        num_logical_workers=num_logical_workers,
         micro_batch_size=cfg.micro_batch_size,
         num_micro_batches=num_micro_batches,
         seed=sl.training.seed,
@@ -127,10 +127,10 @@ def train_reference(cfg: RunConfig) -> dict[str, Any]:
     # DeepSpeed's default is 1.0 when the key is absent.
     max_norm = float(cfg.deepspeed.get("gradient_clipping", 1.0))
     losses: list[float] = []
-    exact = LogicalGradients(params, num_pipelines)
+    exact = LogicalGradients(params, num_logical_workers)
     for step in range(sl.training.steps):
         per_pipeline_loss: list[torch.Tensor] = []
-        for pipeline in range(num_pipelines):
+        for pipeline in range(num_logical_workers):
             optimizer.zero_grad(set_to_none=True)
             total = None
             for micro_batch in range(num_micro_batches):
@@ -151,9 +151,11 @@ def train_reference(cfg: RunConfig) -> dict[str, Any]:
             per_pipeline_loss.append(total / num_micro_batches)
         exact.reduce(local=True)
         loss_sum = per_pipeline_loss[0]
-        for pipeline in range(1, num_pipelines):
+        for pipeline in range(1, num_logical_workers):
             loss_sum = loss_sum + per_pipeline_loss[pipeline]
-        losses.append(float(loss_sum / num_pipelines if num_pipelines > 1 else loss_sum))
+        losses.append(
+            float(loss_sum / num_logical_workers if num_logical_workers > 1 else loss_sum)
+        )
         if max_norm > 0:
             # The same placement-independent norm as the pipeline engine (spotline.pipeline.clipping).
             named_grads = models.hf_to_layer_names(

@@ -39,7 +39,7 @@ from spotline.launch.control.resume import carry_over
 from spotline.launch.control.supervisor import JobError, child_environment
 from spotline.plan.layout import WorkerReport
 from spotline.run_dir import RECORD_NAME
-from spotline.wire.protocol import Plan, entry_key
+from spotline.wire.protocol import PlanMessage, entry_key
 
 __all__ = ["Coordinator", "JobError", "Stopped", "child_environment"]
 
@@ -231,7 +231,7 @@ class Coordinator:
         """Publish "finish" and wait for every worker (and agent) to exit."""
         p = self.parts
         after = p.state.generation + 1
-        p.planner.publish(after, Plan.finish())
+        p.planner.publish(after, PlanMessage.finish())
         for w in p.supervisor.live_ids() + p.supervisor.warm_ids():
             if w not in p.state.included:
                 # Started but never planned (warm, or arrived at the end): let it read "finish".

@@ -43,12 +43,12 @@ def simulation_assumptions(
         "calibration": calibration.name or "(a file)",
         "calibration_file": calibration.source,
         "model": model.name,
-        "logical_topology": f"{topology.num_stages} stages x {topology.num_pipelines} pipelines",
+        "logical_topology": f"{topology.num_stages} stages x {topology.num_logical_workers} pipelines",
         "samples_per_step (fixed global batch)": model.samples_per_step,
         "measured pipeline counts": list(model.measured_pipelines),
         "step_time_s by active pipelines": {
             str(p): round(model.step_time_bound_s(p, False)[0], 4)
-            for p in range(1, topology.num_pipelines + 1)
+            for p in range(1, topology.num_logical_workers + 1)
         },
         "step times outside the measured rows": (
             f"bounds, not measurements: above {high} pipelines the {high}-pipeline time, "
@@ -76,7 +76,7 @@ def simulation_assumptions(
         "preemption_notice_s (not exploited by any policy)": dict(calibration.preemption_notice_s),
         "ideal (the bound of the 'of ideal' column)": (
             "every ready worker from the moment it is ready, in the layout with the shortest "
-            f"step of at most {topology.num_pipelines} pipelines and {config.stages_per_worker} "
+            f"step of at most {topology.num_logical_workers} pipelines and {config.stages_per_worker} "
             "stages a worker (the memory limit); no rendezvous, reconfiguration, "
             "checkpoint or lost work"
         ),

@@ -97,7 +97,7 @@ def test_flags_override_the_file_through_the_same_parser() -> None:
         load_config(None),
         {"spotline.topology.workers": 8, "spotline.redundancy.mode": "lazy"},
     )
-    assert cfg.num_workers == 8 and cfg.num_pipelines == 4
+    assert cfg.num_workers == 8 and cfg.num_logical_workers == 4
     assert cfg.spotline.redundancy.mode == "lazy"
     with pytest.raises(UserError, match="'spotline.redundancy.mode' is \"sometimes\""):
         with_overrides(cfg, {"spotline.redundancy.mode": "sometimes"})
@@ -142,7 +142,7 @@ def test_a_run_starts_with_start_workers_and_keeps_the_logical_topology_of_worke
         cfg = with_overrides(load_config(None), overrides)
         # What it reads to count the starting workers is the config alone (no trace).
         faults = FaultDelivery(cfg, None, None, None, None)  # type: ignore[arg-type]
-        return faults.initial_workers(), cfg.num_pipelines
+        return faults.initial_workers(), cfg.num_logical_workers
 
     assert initial({"spotline.topology.workers": 4}) == (4, 2)
     assert initial({"spotline.topology.workers": 4, "spotline.topology.start_workers": 2}) == (2, 2)

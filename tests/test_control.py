@@ -17,12 +17,12 @@ from spotline.config import RunConfig, parse_config
 from spotline.launch.control.checkpoints import CheckpointCommits
 from spotline.launch.control.job_state import JobState
 from spotline.launch.control.metrics import RunMetrics
-from spotline.launch.control.recovery import LoopHooks, Planner
+from spotline.launch.control.recovery import GenerationPlanner, LoopHooks
 from spotline.plan.layout import WorkerReport, initial_layout, member_holdings
 from spotline.plan.placement import exposures
 from spotline.reports.timeline import summarize_recoveries
 from spotline.sim.recovery_policies import RECOVERY_POLICIES as POLICIES
-from spotline.wire.protocol import Plan, entry_key, plan_key
+from spotline.wire.protocol import PlanMessage, entry_key, plan_key
 
 
 class DictStore:
@@ -81,13 +81,15 @@ class NoExits:
         return f"machine-of-{wid}"
 
 
-def _planner(cfg: RunConfig, tmp_path: Path) -> tuple[Planner, DictStore, RunMetrics]:
+def _planner(cfg: RunConfig, tmp_path: Path) -> tuple[GenerationPlanner, DictStore, RunMetrics]:
     store = DictStore()
     metrics = RunMetrics(cfg, store, snapshot=lambda: (0, 4, {}))
     checkpoints = CheckpointCommits(cfg, store, metrics, tmp_path, interval_steps=0)
     state = JobState(generation=1)
     supervisor: Any = NoExits()
-    planner = Planner(cfg, store, supervisor, metrics, checkpoints, state, Loop(state).hooks())
+    planner = GenerationPlanner(
+        cfg, store, supervisor, metrics, checkpoints, state, Loop(state).hooks()
+    )
     return planner, store, metrics
 
 
@@ -104,7 +106,7 @@ def test_a_lost_member_is_taken_over_in_memory(tmp_path: Path) -> None:
     survivors = [WorkerReport(w, held[w], layout.slot_of(w)) for w in ("w0", "w2", "w3")]
     metrics.note_preemption()
     POLICIES["failover"].recover(planner, survivors, reached=6, ready_t=0.0)
-    plan = Plan.decode(store.get(plan_key(1)))
+    plan = PlanMessage.decode(store.get(plan_key(1)))
     assert plan.action == "train" and plan.resume_step == 5 and plan.layout is not None
     assert "w1" not in plan.layout.members
     assert all(store.check([entry_key(w)]) for w in ("w0", "w2", "w3"))
@@ -114,7 +116,7 @@ def test_a_lost_member_is_taken_over_in_memory(tmp_path: Path) -> None:
 
 def _exposure_planner(
     workers: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> tuple[Planner, DictStore]:
+) -> tuple[GenerationPlanner, DictStore]:
     """A planner of 2 stages on ``workers`` local workers, checkpoints every 100 steps, its
     clock stopped at 250 s (the exposed interval is Young/Daly of the bursts so far)."""
     cfg = parse_config(
@@ -128,11 +130,13 @@ def _exposure_planner(
     checkpoints = CheckpointCommits(cfg, store, metrics, tmp_path, interval_steps=100)
     state = JobState(generation=1)
     supervisor: Any = NoExits()
-    planner = Planner(cfg, store, supervisor, metrics, checkpoints, state, Loop(state).hooks())
+    planner = GenerationPlanner(
+        cfg, store, supervisor, metrics, checkpoints, state, Loop(state).hooks()
+    )
     return planner, store
 
 
-def _lose(planner: Planner, store: DictStore, lost: set[str]) -> Plan:
+def _lose(planner: GenerationPlanner, store: DictStore, lost: set[str]) -> PlanMessage:
     """The running layout (held at step 5) loses ``lost`` at once; the plan after it."""
     layout = planner.layout
     assert layout is not None
@@ -140,7 +144,7 @@ def _lose(planner: Planner, store: DictStore, lost: set[str]) -> Plan:
     survivors = [WorkerReport(w, held[w], layout.slot_of(w)) for w in layout.members]
     survivors = [r for r in survivors if r.worker not in lost]
     POLICIES["failover"].recover(planner, survivors, reached=6, ready_t=0.0)
-    return Plan.decode(store.get(plan_key(1)))
+    return PlanMessage.decode(store.get(plan_key(1)))
 
 
 def test_an_exposed_plan_checkpoints_at_its_first_committed_step(
@@ -190,7 +194,7 @@ def test_a_fatal_loss_without_a_checkpoint_starts_over(tmp_path: Path) -> None:
     # Only stage 0's holders survive: stage 1 is held by nobody.
     survivors = [WorkerReport(w, held[w]) for w in layout.members if 0 in layout.stages_of(w)]
     POLICIES["failover"].recover(planner, survivors, reached=6, ready_t=0.0)
-    plan = Plan.decode(store.get(plan_key(1)))
+    plan = PlanMessage.decode(store.get(plan_key(1)))
     assert plan.action == "train" and plan.resume_step == 0 and dict(plan.holders) == {}
     assert metrics.fallbacks == 1 and metrics.steps_redone == 6
     kinds = [e.kind for e in metrics.events]
@@ -281,7 +285,7 @@ def test_too_few_survivors_for_the_memory_limit_wait_with_the_state_kept(tmp_pat
         metrics.note_preemption()
         survivor = [WorkerReport("w0", held["w0"], layout.slot_of("w0"))]
         POLICIES["failover"].recover(planner, survivor, reached=6, ready_t=0.0)
-        plan = Plan.decode(store.get(plan_key(1)))
+        plan = PlanMessage.decode(store.get(plan_key(1)))
         kinds = [e.kind for e in metrics.events]
         if stages_per_worker == 2:
             assert plan.layout is None and plan.resume_step == 5 and loop.waits == 1
@@ -323,7 +327,7 @@ def test_sharded_replicas_are_placed_so_that_no_machine_loss_loses_a_stage(tmp_p
         if m != "m0"
     ]
     POLICIES["failover"].recover(planner, survivors, reached=6, ready_t=0.0)
-    plan = Plan.decode(store.get(plan_key(1)))
+    plan = PlanMessage.decode(store.get(plan_key(1)))
     assert plan.action == "train" and plan.layout is not None
     assert exposures(plan.layout, machines, sharded=True) == ()
     assert exposures(plan.layout, machines) == ()  # safe for full replicas as well

@@ -38,7 +38,7 @@ from spotline.launch.control.watch import StallWatch, no_progress_message
 from spotline.plan.layout import initial_layout
 from spotline.wire.protocol import (
     JOB_END_KEY,
-    Plan,
+    PlanMessage,
     Report,
     abort_key,
     abort_watch_key,
@@ -323,7 +323,7 @@ def test_an_etcd_job_is_taken_over_where_its_plans_left_it(parts: JobParts) -> N
     assert adopted.kind == "adopted" and adopted.detail["generation"] == 1
     # A predecessor that died as the job ended (its "finish" published): the generation
     # before it is where the job is; one that ended it has nothing to take over.
-    store.set(plan_key(2), Plan.finish().encode())
+    store.set(plan_key(2), PlanMessage.finish().encode())
     adopt(store, parts.supervisor, state, parts.metrics, parts.progress, steps=4)
     assert (state.generation, state.layout) == (1, layout)
     store.set(JOB_END_KEY, "1")

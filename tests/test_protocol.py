@@ -18,7 +18,7 @@ from spotline.wire.protocol import (
     CheckpointWriteError,
     GenerationSetup,
     ModelStateBytes,
-    Plan,
+    PlanMessage,
     Rebalance,
     ReplicaMismatch,
     Report,
@@ -106,9 +106,9 @@ def test_layout_json_round_trip() -> None:
 @pytest.mark.parametrize(
     "plan",
     [
-        Plan.finish(),
-        Plan("train", None, None, 4, {0: ("w0",), 1: ()}, ()),
-        Plan(
+        PlanMessage.finish(),
+        PlanMessage("train", None, None, 4, {0: ("w0",), 1: ()}, ()),
+        PlanMessage(
             "train",
             LAYOUT,
             {"p0000": (0,), "p0001": (1, 2)},
@@ -118,8 +118,8 @@ def test_layout_json_round_trip() -> None:
             checkpoint_interval=3,
         ),
         # An exposed plan's schedule: its first committed step, then every 3 (exposure).
-        Plan("train", LAYOUT, {"p0000": (0,)}, 5, checkpoint_interval=3, checkpoint_from=6),
-        Plan(
+        PlanMessage("train", LAYOUT, {"p0000": (0,)}, 5, checkpoint_interval=3, checkpoint_from=6),
+        PlanMessage(
             "restore",
             LAYOUT,
             {"p0000": (0,), "p0001": (1,)},
@@ -131,12 +131,12 @@ def test_layout_json_round_trip() -> None:
         ),
     ],
 )
-def test_plan_json_round_trip(plan: Plan) -> None:
-    assert Plan.decode(plan.encode()) == plan
+def test_plan_json_round_trip(plan: PlanMessage) -> None:
+    assert PlanMessage.decode(plan.encode()) == plan
 
 
 def test_plan_json_is_the_wire_form() -> None:
-    plan = Plan("restore", LAYOUT, {"p0000": (0,)}, 6, {0: ("w0",)}, ((0, "w0"),), 2, 6)
+    plan = PlanMessage("restore", LAYOUT, {"p0000": (0,)}, 6, {0: ("w0",)}, ((0, "w0"),), 2, 6)
     assert plan.to_json() == {
         "action": "restore",
         "layout": LAYOUT.to_json(),
@@ -147,14 +147,14 @@ def test_plan_json_is_the_wire_form() -> None:
         "checkpoint_interval": 2,
         "checkpoint_step": 6,
     }
-    assert Plan.finish().to_json() == {"action": "finish"}
+    assert PlanMessage.finish().to_json() == {"action": "finish"}
 
 
 def test_a_restore_plan_and_only_one_names_its_checkpoint() -> None:
     with pytest.raises(AssertionError):
-        Plan("restore", LAYOUT, {"p0000": (0,)}, 6)
+        PlanMessage("restore", LAYOUT, {"p0000": (0,)}, 6)
     with pytest.raises(AssertionError):
-        Plan("train", LAYOUT, {"p0000": (0,)}, 6, checkpoint_step=6)
+        PlanMessage("train", LAYOUT, {"p0000": (0,)}, 6, checkpoint_step=6)
 
 
 def test_report_json_round_trip() -> None:

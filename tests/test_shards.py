@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from spotline.config import parse_config
 from spotline.errors import UserError
-from spotline.plan import schedule as plan
+from spotline.plan import schedule
 from spotline.plan.actions import ActionKind
 from spotline.plan.exposure import exposed_stages
 from spotline.plan.grid import Layout
@@ -27,7 +27,7 @@ from spotline.plan.layout import (
 from spotline.plan.placement import Exposure, copies, copy_sets, exposures
 from spotline.plan.schedule_rules import validate
 from spotline.plan.shards import Piece, shard_pieces
-from spotline.wire.protocol import Plan, Report
+from spotline.wire.protocol import PlanMessage, Report
 
 # -- the shard function ---------------------------------------------------------------------
 
@@ -247,7 +247,7 @@ def test_shard_holdings_and_sources_round_trip_and_the_old_forms_read_as_whole()
         Holding(1, 3, True, 0, 1),
     )
     layout = Layout(2, 1, ((0,), (1,)), (("w0", "w2"),))
-    sharded = Plan(
+    sharded = PlanMessage(
         "train",
         layout,
         {"p0000": (0, 1)},
@@ -256,13 +256,13 @@ def test_shard_holdings_and_sources_round_trip_and_the_old_forms_read_as_whole()
         sources=((0, "w0"),),
         shard_sources=(ShardSource(1, "w0", 0, 2), ShardSource(1, "w2", 1, 2)),
     )
-    assert Plan.decode(sharded.encode()) == sharded
+    assert PlanMessage.decode(sharded.encode()) == sharded
     assert sharded.to_json()["shard_sources"] == [[1, "w0", 0, 2], [1, "w2", 1, 2]]
-    whole = Plan("train", layout, {"p0000": (0, 1)}, sources=((0, "w0"), (1, "w2")))
+    whole = PlanMessage("train", layout, {"p0000": (0, 1)}, sources=((0, "w0"), (1, "w2")))
     assert "shard_sources" not in whole.to_json()  # the old form, as before
-    assert Plan.decode(whole.encode()) == whole
+    assert PlanMessage.decode(whole.encode()) == whole
     with pytest.raises(AssertionError):
-        Plan(
+        PlanMessage(
             "train",
             layout,
             {"p0000": (0, 1)},
@@ -317,9 +317,9 @@ def test_the_replica_key_is_checked_and_sharded_is_lazy_only() -> None:
 
 
 def test_a_sharded_replica_s_schedule_has_no_replay_stashes() -> None:
-    base = plan.train_schedule(3, 4)
-    lazy = plan.add_redundancy(base, "lazy")
-    sharded = plan.add_redundancy(base, "lazy", replay=False)
+    base = schedule.train_schedule(3, 4)
+    lazy = schedule.add_redundancy(base, "lazy")
+    sharded = schedule.add_redundancy(base, "lazy", replay=False)
     validate(sharded)
     kinds = {a.kind for row in sharded.steps for step in row for a in step}
     assert not kinds & {
@@ -334,7 +334,7 @@ def test_a_sharded_replica_s_schedule_has_no_replay_stashes() -> None:
         [a for a in row[-1] if a.kind in tail] for row in lazy.steps
     ]
     with pytest.raises(ValueError, match="eager"):
-        plan.add_redundancy(base, "eager", replay=False)
+        schedule.add_redundancy(base, "eager", replay=False)
 
 
 # -- the simulator --------------------------------------------------------------------------

@@ -395,7 +395,7 @@ def test_layouts_with_slots_keep_a_stage_and_its_replica_on_two_machines(
     # Not by chance: the planner's first layout without machines exposes stages on these.
     first = results["spotline"].layouts[0]
     workers = [*first.layout.members, *first.layout.standby]
-    unplaced = initial_layout(8, config.topology.num_pipelines, workers, elastic=True)
+    unplaced = initial_layout(8, config.topology.num_logical_workers, workers, elastic=True)
     assert unplaced is not None
     assert bool(exposures(unplaced, first.machines)) == naive_exposes
 

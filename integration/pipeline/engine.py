@@ -542,12 +542,14 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
         super()._exec_backward_pass(buffer_id)
 
 
-def deepspeed_config_for(run_ds: dict[str, Any], *, num_pipelines: int) -> dict[str, Any]:
+def deepspeed_config_for(run_ds: dict[str, Any], *, num_physical_pipelines: int) -> dict[str, Any]:
     """The DeepSpeed config dict for an engine: Spotline's keys removed, batch size derived."""
     ds = copy.deepcopy(run_ds)
     ds.pop("spotline", None)
     ds["train_batch_size"] = (
-        ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * num_pipelines
+        ds["train_micro_batch_size_per_gpu"]
+        * ds["gradient_accumulation_steps"]
+        * num_physical_pipelines
     )
     return ds
 

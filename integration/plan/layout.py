@@ -1,6 +1,6 @@
 """How the runtime lays the logical topology onto live workers, generation after generation.
 
-The logical topology (``num_stages`` logical stages x ``num_pipelines`` pipelines) never
+The logical topology (``num_stages`` logical stages x ``num_logical_workers`` pipelines) never
 changes. A *generation* is one process group over the live members; its :class:`Layout`
 says which contiguous logical stages each physical stage runs (``groups``; merged after a
 loss, Bamboo's "predecessor takes over") and which worker runs each (pipeline, physical
@@ -18,11 +18,11 @@ Rules (all deterministic; pure code, no torch):
   ``V - 1`` and ready) is lost: a fatal loss, recovered from the last checkpoint.
 - Data-parallel peers hold identical stage state, so any holder is a source for any
   pipeline's copy of that stage.
-- Shape. ``S' = min(num_stages, live workers // num_pipelines)`` physical stages; with
+- Shape. ``S' = min(num_stages, live workers // num_logical_workers)`` physical stages; with
   fewer workers than pipelines the job waits for workers. In the elastic mode (logical
   pipelines hosted by fewer physical ones, EasyScale; what the coordinator runs, and the
   simulator's ``spotline`` policy) whole pipelines go
-  first: ``P' = max(1, min(num_pipelines, live // num_stages))`` physical pipelines of
+  first: ``P' = max(1, min(num_logical_workers, live // num_stages))`` physical pipelines of
   ``S' = min(num_stages, live // P')`` physical stages.
 - Grouping and assignment. Among all contiguous groupings of the logical stages into
   ``S'`` physical stages, choose the one whose greedy assignment moves the least state
@@ -173,7 +173,7 @@ def contiguous_groupings(num_stages: int, num_groups: int) -> Iterator[tuple[tup
 
 def initial_layout(
     num_stages: int,
-    num_pipelines: int,
+    num_logical_workers: int,
     workers: Sequence[str],
     *,
     elastic: bool = False,
@@ -188,7 +188,7 @@ def initial_layout(
     reports = [WorkerReport(w, machine=machines[w] if machines else None) for w in workers]
     return choose_layout(
         num_stages,
-        num_pipelines,
+        num_logical_workers,
         reports,
         usable={},
         elastic=elastic,
@@ -285,7 +285,7 @@ def committed_state(
 
 def choose_layout(
     num_stages: int,
-    num_pipelines: int,
+    num_logical_workers: int,
     reports: Sequence[WorkerReport],
     usable: dict[int, list[str]],
     *,
@@ -305,7 +305,7 @@ def choose_layout(
     ``capacity``, to hold the model within it (``Capacity.fewest_workers``)."""
     layout = _choose_layout(
         num_stages,
-        num_pipelines,
+        num_logical_workers,
         reports,
         usable,
         elastic=elastic,
@@ -319,7 +319,7 @@ def choose_layout(
 
 def _choose_layout(
     num_stages: int,
-    num_pipelines: int,
+    num_logical_workers: int,
     reports: Sequence[WorkerReport],
     usable: dict[int, list[str]],
     *,
@@ -331,22 +331,26 @@ def _choose_layout(
     shards = shards or {}
     workers = [r.worker for r in reports]
     previous = {r.worker: r.previous_slot for r in reports}
-    logical_pipelines = num_pipelines
+    # Rigid: one physical pipeline per logical worker. Elastic (EasyScale): fewer physical
+    # pipelines host them all, whole pipelines dropped first.
+    num_physical_pipelines = num_logical_workers
     if elastic and workers:
-        num_pipelines = max(1, min(num_pipelines, len(workers) // num_stages))
-    num_physical = min(num_stages, len(workers) // num_pipelines)
+        num_physical_pipelines = max(1, min(num_logical_workers, len(workers) // num_stages))
+    num_physical = min(num_stages, len(workers) // num_physical_pipelines)
     if num_physical == 0:
         return None
     if capacity is not None and not capacity.allows(num_stages, num_physical):
         # The shape is the most physical stages these workers allow (the elastic mode drops
         # pipelines first): no other shape fits where this one does not.
-        return _Short(capacity.fewest_workers(num_stages, logical_pipelines, elastic=elastic))
+        return _Short(capacity.fewest_workers(num_stages, num_logical_workers, elastic=elastic))
     best: tuple[tuple[int, int, tuple[tuple[int, ...], ...]], Layout] | None = None
     failed: FatalLoss | None = None
     for groups in contiguous_groupings(num_stages, num_physical):
         if capacity is not None and not capacity.fits(groups):
             continue  # some worker would run more stages than its memory has room for
-        assigned = _assign(num_stages, num_pipelines, groups, workers, previous, usable, shards)
+        assigned = _assign(
+            num_stages, num_physical_pipelines, groups, workers, previous, usable, shards
+        )
         if isinstance(assigned, FatalLoss):
             failed = failed or assigned
             continue
@@ -372,7 +376,7 @@ def _machines(reports: Sequence[WorkerReport]) -> dict[str, str] | None:
 
 def _assign(
     num_stages: int,
-    num_pipelines: int,
+    num_physical_pipelines: int,
     groups: tuple[tuple[int, ...], ...],
     workers: list[str],
     previous: dict[str, tuple[int, int] | None],
@@ -390,12 +394,12 @@ def _assign(
         return sum(1 for s in group if w not in held[s]) if usable else 0
 
     by_previous = {slot: w for w, slot in previous.items() if slot is not None}
-    slots: list[list[str]] = [[""] * len(groups) for _ in range(num_pipelines)]
+    slots: list[list[str]] = [[""] * len(groups) for _ in range(num_physical_pipelines)]
     cost = 0
     # A worker that can stay where it was, holding everything its slot needs, stays: a greedy
     # pass alone could hand its slot to another worker and move it, costing two transfers.
     for stage_idx, group in enumerate(groups):
-        for pipeline in range(num_pipelines):
+        for pipeline in range(num_physical_pipelines):
             stayer = by_previous.get((pipeline, stage_idx))
             if stayer is not None and stayer in free and missing(stayer, group) == 0:
                 del free[stayer]
@@ -407,7 +411,7 @@ def _assign(
         costs = {w: (missing(w, group), order[w]) for w in free}
         ranked = sorted(costs, key=costs.__getitem__)
         cursor = 0
-        for pipeline in range(num_pipelines):
+        for pipeline in range(num_physical_pipelines):
             if slots[pipeline][stage_idx]:
                 continue
             while ranked[cursor] not in free:
@@ -443,7 +447,7 @@ def _assign(
             keep = set(shards.get(stage, ()))
             safe = [
                 (p, i)
-                for p in range(num_pipelines)
+                for p in range(num_physical_pipelines)
                 for i in range(len(groups))
                 if slots[p][i] not in keep
                 and all(covered(s, slots[p][i], holder) for s in range(stage))
@@ -463,7 +467,7 @@ def _assign(
             cost += num_stages  # a forced swap is never preferred over a clean layout
     layout = Layout(
         num_stages=num_stages,
-        num_pipelines=num_pipelines,
+        num_pipelines=num_physical_pipelines,
         groups=groups,
         slots=tuple(tuple(row) for row in slots),
         standby=tuple(free),
@@ -475,7 +479,7 @@ def _assign(
 def plan_generation(
     generation: int,
     num_stages: int,
-    num_pipelines: int,
+    num_logical_workers: int,
     reports: Sequence[WorkerReport],
     *,
     elastic: bool = False,
@@ -488,7 +492,7 @@ def plan_generation(
 def plan_generation(
     generation: int,
     num_stages: int,
-    num_pipelines: int,
+    num_logical_workers: int,
     reports: Sequence[WorkerReport],
     *,
     elastic: bool = False,
@@ -500,7 +504,7 @@ def plan_generation(
 def plan_generation(
     generation: int,
     num_stages: int,
-    num_pipelines: int,
+    num_logical_workers: int,
     reports: Sequence[WorkerReport],
     *,
     elastic: bool = False,
@@ -524,7 +528,7 @@ def plan_generation(
     committed, usable, shards = state.step, state.usable, state.shards
     layout = _choose_layout(
         num_stages,
-        num_pipelines,
+        num_logical_workers,
         reports,
         usable,
         elastic=elastic,
@@ -551,7 +555,7 @@ def plan_generation(
             None,
             committed,
             (),
-            f"{len(reports)} live worker(s), fewer than the {num_pipelines} pipelines need: waiting",
+            f"{len(reports)} live worker(s), fewer than the {num_logical_workers} pipelines need: waiting",
         )
     members = layout.members
     held = {stage: set(ws) for stage, ws in usable.items()}

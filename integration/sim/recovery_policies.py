@@ -9,7 +9,7 @@ simulator's ``name`` is the system's, ``spotline`` for failover):
 
 - its runtime face, :meth:`RecoveryPolicy.recover` and
   :meth:`RecoveryPolicy.checkpoint_interval`, which the coordinator calls with its planner
-  (:class:`spotline.launch.control.recovery.Planner`, seen here as a :class:`Replanner`:
+  (:class:`spotline.launch.control.recovery.GenerationPlanner`, seen here as a :class:`Replanner`:
   this floor imports nothing of launch/);
 - its simulator face, :class:`spotline.sim.replay.SimPolicy`'s hooks, which
   :class:`spotline.sim.replay.ReplayJob` calls.
@@ -51,7 +51,7 @@ from spotline.sim.sim_config import (
 
 class Replanner(Protocol):
     """What a policy's runtime face asks of the coordinator's planner
-    (:class:`spotline.launch.control.recovery.Planner`)."""
+    (:class:`spotline.launch.control.recovery.GenerationPlanner`)."""
 
     def replan(
         self, reports: list[WorkerReport], *, failure: bool, reached: int, ready_t: float
@@ -295,7 +295,7 @@ class CheckpointRestartPolicy(RecoveryPolicy):
         # The elastic start's shape on the ready workers (spotline.plan.layout): more
         # pipelines, or more physical stages for a layout that folds stages, is a growth.
         ready = len(job.ready)
-        pipelines = max(1, min(topology.num_pipelines, ready // topology.num_stages))
+        pipelines = max(1, min(topology.num_logical_workers, ready // topology.num_stages))
         physical = min(topology.num_stages, ready // pipelines)
         shape = members.layout
         if pipelines > shape.num_pipelines or (

@@ -137,7 +137,7 @@ class ReplayJob:
         self.run = TrainingRun(config, interval_s)
         self.planner = CanonicalPlanner(
             self.topology.num_stages,
-            self.topology.num_pipelines,
+            self.topology.num_logical_workers,
             elastic=policy.elastic,
             capacity=policy.capacity(config),
             sharded=config.sharded_replicas,

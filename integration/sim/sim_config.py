@@ -103,11 +103,12 @@ class SimConfig:
 
 @dataclass(frozen=True)
 class Topology:
-    """``num_stages`` logical stages x ``num_pipelines`` logical pipelines."""
+    """``num_stages`` logical stages x ``num_logical_workers`` logical pipelines (EasyScale's
+    logical workers; the physical pipelines are each layout's)."""
 
     num_stages: int
-    num_pipelines: int
+    num_logical_workers: int
 
     @property
     def num_slots(self) -> int:
-        return self.num_stages * self.num_pipelines
+        return self.num_stages * self.num_logical_workers

@@ -112,7 +112,7 @@ class IdealPolicy(SimPolicy):
         batches that remove ready nodes (it uses every one it can)."""
         cluster = self.cluster(trace, config, batches)
         run = TrainingRun(config, self.checkpoint_interval_s(cluster.trace, config))
-        slots, max_pipelines = config.slots_per_machine, config.topology.num_pipelines
+        slots, max_pipelines = config.slots_per_machine, config.topology.num_logical_workers
         layouts: dict[int, Layout | None] = {}  # by ready workers: a trace repeats its counts
         ready: set[str] = set()
         current: Layout | None = None

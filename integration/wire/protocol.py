@@ -11,7 +11,7 @@ Keys, by who writes them (g: a generation, w: a worker id such as ``w3``):
 The coordinator writes
 
 - ``entry/<w>`` (:func:`entry_key`): the first generation worker w reads (an int).
-- ``plan/<g>`` (:func:`plan_key`): the plan of generation g (:class:`Plan` as JSON).
+- ``plan/<g>`` (:func:`plan_key`): the plan of generation g (:class:`PlanMessage` as JSON).
 - ``stop/<g>`` (:func:`stop_key`): members of generation g stop at this step boundary (an
   int: an arrival, a departure, a stop).
 - ``stop-checkpoint/<g>`` (:func:`stop_checkpoint_key`): the job stops (a Ctrl-C) at this
@@ -289,7 +289,7 @@ OUTCOMES: tuple[Outcome, ...] = get_args(Outcome)
 
 
 @dataclass(frozen=True)
-class Plan:
+class PlanMessage:
     """The coordinator's plan for one generation, as the workers read it.
 
     ``logical``: which logical data-parallel workers each physical pipeline (by
@@ -328,7 +328,7 @@ class Plan:
         assert (self.logical is None) == (self.layout is None), "logical workers need a layout"
 
     @classmethod
-    def finish(cls) -> Plan:
+    def finish(cls) -> PlanMessage:
         return cls("finish")
 
     def to_json(self) -> dict[str, Any]:
@@ -358,7 +358,7 @@ class Plan:
         return out
 
     @classmethod
-    def from_json(cls, raw: Mapping[str, Any]) -> Plan:
+    def from_json(cls, raw: Mapping[str, Any]) -> PlanMessage:
         if raw["action"] == "finish":
             return cls.finish()
         logical = raw["logical"]
@@ -388,7 +388,7 @@ class Plan:
         return json.dumps(self.to_json())
 
     @classmethod
-    def decode(cls, text: bytes | str) -> Plan:
+    def decode(cls, text: bytes | str) -> PlanMessage:
         return cls.from_json(json.loads(text))
 
 

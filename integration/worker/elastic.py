@@ -63,7 +63,7 @@ from spotline.wire.protocol import (
     FINAL_HASH_KEY,
     GenerationSetup,
     Outcome,
-    Plan,
+    PlanMessage,
     entry_key,
     joined_key,
     plan_key,
@@ -126,13 +126,13 @@ class ElasticWorker:
         self.recipe: OptimizerRecipe | None = None
         self.injections = parse_injections(sl.recovery.inject)
         self.record = TrainingRecord()
-        self.workers = LogicalWorkers(cfg.num_pipelines)
+        self.workers = LogicalWorkers(cfg.num_logical_workers)
         self.checkpoints = WorkerCheckpoints(
             cfg.checkpoint_root(output),
             sl.checkpoints.keep,
             self.wid,
             self._note,
-            logical_workers=cfg.num_pipelines,
+            logical_workers=cfg.num_logical_workers,
             seed=sl.training.seed,
             interval=sl.checkpoints.interval_steps,
         )
@@ -160,7 +160,7 @@ class ElasticWorker:
         self.store.set(joined_key(self.wid), "1")
         generation = int(self._wait_value(entry_key(self.wid)).decode())
         while True:
-            plan = Plan.decode(self._wait_value(plan_key(generation)))
+            plan = PlanMessage.decode(self._wait_value(plan_key(generation)))
             if plan.action == "finish":
                 break
             outcome: Outcome = "standby"
@@ -168,7 +168,7 @@ class ElasticWorker:
             # shorter from an exposed plan's first committed step: spotline.plan.exposure).
             self.checkpoints.follow(plan.checkpoint_interval, plan.checkpoint_from)
             if plan.action == "restore":
-                assert plan.checkpoint_step is not None  # Plan's invariant
+                assert plan.checkpoint_step is not None  # PlanMessage's invariant
                 self.holdings = self.checkpoints.restore(plan.checkpoint_step)
             if plan.layout is not None and self.wid in plan.layout.members:
                 outcome = self._run_generation(generation, plan, plan.layout)
@@ -208,7 +208,7 @@ class ElasticWorker:
             pass
 
     # -- one generation ---------------------------------------------------------------
-    def _run_generation(self, generation: int, plan: Plan, layout: Layout) -> Outcome:
+    def _run_generation(self, generation: int, plan: PlanMessage, layout: Layout) -> Outcome:
         resume = plan.resume_step
         roll_forward_holdings(self.holdings, resume, self.recipe)
         rank = layout.rank_of(self.wid)

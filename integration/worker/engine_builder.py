@@ -62,7 +62,7 @@ def global_sampler(cfg: RunConfig, num_samples: int) -> GlobalSampler:
     what a pipeline trains on never depends on how many processes exist."""
     return GlobalSampler(
         num_samples=num_samples,
-        num_logical_workers=cfg.num_pipelines,
+        num_logical_workers=cfg.num_logical_workers,
         micro_batch_size=cfg.micro_batch_size,
         num_micro_batches=cfg.num_micro_batches,
         seed=cfg.spotline.training.seed,
@@ -100,7 +100,7 @@ def build_worker_engine(
         topology=topology,
         parts=models.physical_parts(logical, layout.groups),
     )
-    ds_config = deepspeed_config_for(cfg.deepspeed, num_pipelines=layout.num_pipelines)
+    ds_config = deepspeed_config_for(cfg.deepspeed, num_physical_pipelines=layout.num_pipelines)
     engine = build_engine(
         module,
         ds_config,

@@ -123,7 +123,7 @@ def setup_worker(cfg: RunConfig, *, logs: Path | None = None) -> Worker:
     prepare_process(cfg)
     inputs = prepare_inputs(cfg)
     # Fewer logical workers than pipelines is refused by spotline.config.validate.
-    assert cfg.num_pipelines >= cfg.num_physical_pipelines
+    assert cfg.num_logical_workers >= cfg.num_physical_pipelines
     if ident.world_size != cfg.num_workers:
         from spotline.errors import UserError
 
@@ -156,7 +156,7 @@ def setup_worker(cfg: RunConfig, *, logs: Path | None = None) -> Worker:
     ), "DeepSpeed's topology places ranks as fixed_layout says"
     # Static placement (this launcher never rescales): logical workers spread evenly.
     assignment = assign_logical_workers(
-        cfg.num_pipelines, {pipeline_name(p): 1.0 for p in range(cfg.num_physical_pipelines)}
+        cfg.num_logical_workers, {pipeline_name(p): 1.0 for p in range(cfg.num_physical_pipelines)}
     )
     worker = Worker(
         cfg=cfg,
@@ -169,7 +169,7 @@ def setup_worker(cfg: RunConfig, *, logs: Path | None = None) -> Worker:
         assignment=assignment,
     )
     engine.set_logical_workers(
-        cfg.num_pipelines, assignment[pipeline_name(engine.grid.data_parallel_id)]
+        cfg.num_logical_workers, assignment[pipeline_name(engine.grid.data_parallel_id)]
     )
     return worker
 
@@ -333,7 +333,7 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "workers": cfg.num_workers,
             "stages": cfg.num_stages,
             "pipelines": cfg.num_physical_pipelines,
-            "logical_workers": cfg.num_pipelines,
+            "logical_workers": cfg.num_logical_workers,
             # spotline train's keys: the one placement (generation 0) and no moves (only
             # spotline train's workers move logical workers, as they measure their speeds).
             "logical_placements": [worker.layout.logical_placement(0, worker.assignment)],

@@ -5,8 +5,8 @@ plan's resume step, and its replica holder needs a copy of them (``spotline.pipe
 
 1. **Own stages.** A member that holds a stage (it ran it, or held its replica: a takeover)
    keeps it. One that lacks it receives it from the member the plan names
-   (``Plan.sources``), or, for a stage no member holds whole, every shard of it from its
-   holder (``Plan.shard_sources``; assembled here). :func:`stage_transfers` lists every
+   (``PlanMessage.sources``), or, for a stage no member holds whole, every shard of it from its
+   holder (``PlanMessage.shard_sources``; assembled here). :func:`stage_transfers` lists every
    transfer of a plan, in the order every member issues them: a pure function of the plan,
    so no one has to announce anything. :func:`prepare_exchange` turns one member's part of
    that list into messages (:class:`PeerOp`) and :meth:`StageExchange.received` turns the
@@ -34,7 +34,7 @@ from spotline.pipeline.replica import stage_of_name
 from spotline.plan.grid import Layout
 from spotline.plan.layout import ShardSource
 from spotline.plan.shards import Piece, shard_pieces
-from spotline.wire.protocol import Plan
+from spotline.wire.protocol import PlanMessage
 from spotline.worker.holdings import (
     Holdings,
     Names,
@@ -118,7 +118,7 @@ def stage_transfers(
     return tuple(out)
 
 
-def plan_transfers(plan: Plan, layout: Layout) -> tuple[StageTransfer, ...]:
+def plan_transfers(plan: PlanMessage, layout: Layout) -> tuple[StageTransfer, ...]:
     """:func:`stage_transfers` of a coordinator's plan."""
     return stage_transfers(layout, plan.holders, plan.sources, plan.shard_sources)
 
@@ -240,7 +240,7 @@ def prepare_exchange(
 
 def load_generation_state(
     engine: RedundantPipelineEngine,
-    plan: Plan,
+    plan: PlanMessage,
     layout: Layout,
     me: str,
     holdings: Holdings,

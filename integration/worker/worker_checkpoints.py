@@ -115,7 +115,7 @@ class WorkerCheckpoints:
         self.interval, self.start = interval, start
 
     def due(self, step: int) -> bool:
-        """Whether the plan's schedule checkpoints committed step ``step`` (``Plan``)."""
+        """Whether the plan's schedule checkpoints committed step ``step`` (``PlanMessage``)."""
         interval, start = self.interval, self.start
         return interval > 0 and step >= start and (step - start) % interval == 0
 

@@ -55,7 +55,7 @@ def run(mode: str, config_path: str, steps: int, output: Path) -> None:
     )
     init_distributed()
     model = models.reference_model(hf_config, sl.training.seed)
-    ds_config = deepspeed_config_for(cfg.deepspeed, num_pipelines=world)
+    ds_config = deepspeed_config_for(cfg.deepspeed, num_physical_pipelines=world)
     m = cfg.num_micro_batches
 
     def micro_batches(step: int) -> list[Any]:

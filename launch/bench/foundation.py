@@ -254,7 +254,7 @@ def bench_foundation(
         "model": cfg.spotline.model.name,
         "workers": cfg.num_workers,
         "stages": cfg.num_stages,
-        "pipelines": cfg.num_pipelines,
+        "pipelines": cfg.num_logical_workers,
         "micro_batches": cfg.num_micro_batches,
         "micro_batch_size": cfg.micro_batch_size,
         "steps": settings.steps,

@@ -147,19 +147,19 @@ def parse_cases(
 
 def schedule_facts(case: RedundancyCase) -> dict[str, Any]:
     """What the pure schedule says about a case: eager's hidden fraction, extra steps per mode."""
-    from spotline.plan import schedule as plan
+    from spotline.plan import schedule
 
-    base = plan.train_schedule(case.num_stages, case.num_micro_batches)
-    by_mode: dict[str, plan.Schedule] = {
-        mode: plan.add_redundancy(base, mode) for mode in REDUNDANCY_MODES
+    base = schedule.train_schedule(case.num_stages, case.num_micro_batches)
+    by_mode: dict[str, schedule.Schedule] = {
+        mode: schedule.add_redundancy(base, mode) for mode in REDUNDANCY_MODES
     }
     if SHARDED in case.modes:
-        by_mode[SHARDED] = plan.add_redundancy(base, "lazy", replay=False)
+        by_mode[SHARDED] = schedule.add_redundancy(base, "lazy", replay=False)
     return {
-        "hidden_fraction": plan.hidden_fraction(by_mode["eager"]),
-        "num_extra_steps": {mode: plan.num_extra_steps(s) for mode, s in by_mode.items()},
+        "hidden_fraction": schedule.hidden_fraction(by_mode["eager"]),
+        "num_extra_steps": {mode: schedule.num_extra_steps(s) for mode, s in by_mode.items()},
         "num_schedule_steps": {mode: s.num_steps for mode, s in by_mode.items()},
-        "eager_grid": plan.format_grid(by_mode["eager"]),
+        "eager_grid": schedule.format_grid(by_mode["eager"]),
     }
 
 

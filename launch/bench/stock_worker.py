@@ -121,7 +121,9 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
         layer_specs=deepspeed_tied(models.build_layer_specs(hf_config, seed=sl.training.seed)),
     )
     engine, _, _, _ = deepspeed.initialize(
-        model=module, config=deepspeed_config_for(cfg.deepspeed, num_pipelines=cfg.num_pipelines)
+        model=module,
+        # Stock DeepSpeed has no logical workers: each is a physical pipeline of its own.
+        config=deepspeed_config_for(cfg.deepspeed, num_physical_pipelines=cfg.num_logical_workers),
     )
     setup_s = time.perf_counter() - t_setup
     profile = InstructionProfile() if profile_dir() else None
@@ -129,7 +131,7 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
         instrument(engine, profile)
     sampler = GlobalSampler(
         num_samples=len(corpus),
-        num_logical_workers=cfg.num_pipelines,
+        num_logical_workers=cfg.num_logical_workers,
         micro_batch_size=cfg.micro_batch_size,
         num_micro_batches=cfg.num_micro_batches,
         seed=sl.training.seed,
@@ -185,7 +187,7 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
             "step_ended_at_s": list(log.step_ends.values()),
             "workers": cfg.num_workers,
             "stages": cfg.num_stages,
-            "pipelines": cfg.num_pipelines,
+            "pipelines": cfg.num_logical_workers,
             "micro_batch_size": cfg.micro_batch_size,
             "micro_batches": cfg.num_micro_batches,
             "model": sl.model.name,

@@ -81,7 +81,7 @@ class CheckpointCommits:
         )
 
     def schedule(self, resume: int, start: int, interval: int, *, exposed: bool) -> None:
-        """A plan resuming at ``resume`` was published with this schedule (``Plan``'s
+        """A plan resuming at ``resume`` was published with this schedule (``PlanMessage``'s
         ``checkpoint_from`` and ``checkpoint_interval``); ``exposed``: off the interval."""
         self.windows.append((resume, start, interval, exposed))
 

@@ -3,7 +3,7 @@
 :class:`JobState` is what the coordinator has told the workers: the generation in flight,
 its plan's layout and resume step, which workers were given an entry generation, and when
 the last generation's first member reported. The planner
-(:class:`~spotline.launch.control.recovery.Planner`) writes the plan's fields, the
+(:class:`~spotline.launch.control.recovery.GenerationPlanner`) writes the plan's fields, the
 generation loop the number and the end; every other part only reads them.
 
 :class:`Progress` reads how far the members of the generation in flight got (the highest

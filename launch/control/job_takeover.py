@@ -26,7 +26,7 @@ from spotline.launch.control.metrics import RunMetrics
 from spotline.launch.control.supervisor import Supervisor
 from spotline.run_dir import ETCD_JOB_NAME
 from spotline.wire.auth import RawStore
-from spotline.wire.protocol import JOB_END_KEY, Plan, Store, entry_key, plan_key
+from spotline.wire.protocol import JOB_END_KEY, PlanMessage, Store, entry_key, plan_key
 
 if TYPE_CHECKING:
     from spotline.wire.stores import StoreSpec
@@ -92,9 +92,9 @@ def adopt(
     g = 0
     while store.check([plan_key(g + 1)]):
         g += 1
-    plan = Plan.decode(store.get(plan_key(g)))
+    plan = PlanMessage.decode(store.get(plan_key(g)))
     if plan.action == "finish":  # it died as the job ended: end it again
-        g, plan = g - 1, Plan.decode(store.get(plan_key(g - 1)))
+        g, plan = g - 1, PlanMessage.decode(store.get(plan_key(g - 1)))
     state.generation = g
     state.layout, state.resume_step = plan.layout, plan.resume_step
     state.included.update(w for w in supervisor.workers if store.check([entry_key(w)]))

@@ -437,7 +437,7 @@ class RunMetrics:
             "workers": cfg.num_workers,
             "stages": cfg.num_stages,
             "pipelines": cfg.num_physical_pipelines,
-            "logical_workers": cfg.num_pipelines,
+            "logical_workers": cfg.num_logical_workers,
             # Which physical pipeline (its workers) ran which logical pipelines, per generation,
             # and the moves the workers made as they measured speeds (step, per pipeline).
             "logical_placements": self.placements,

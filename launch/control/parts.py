@@ -24,7 +24,7 @@ from spotline.launch.control.job_state import JobState, Progress
 from spotline.launch.control.job_takeover import open_job_store
 from spotline.launch.control.local_agent import LocalAgent
 from spotline.launch.control.metrics import RunMetrics
-from spotline.launch.control.recovery import LoopHooks, Planner
+from spotline.launch.control.recovery import GenerationPlanner, LoopHooks
 from spotline.launch.control.stopping import StopProtocol
 from spotline.launch.control.supervisor import Supervisor
 from spotline.launch.control.watch import HeartbeatPacer, Losses, StallWatch, Watch
@@ -52,7 +52,7 @@ class JobParts:
     checkpoints: CheckpointCommits
     stop: StopProtocol
     admission: Admitter
-    planner: Planner
+    planner: GenerationPlanner
     local_agent: LocalAgent
     watch: Watch
 
@@ -130,7 +130,9 @@ def assemble(
         poll_workers=losses.poll,
         stop_keys=stop.stop_keys,
     )
-    planner = Planner(cfg, store, sup, metrics, checkpoints, state, hooks, cluster=cluster)
+    planner = GenerationPlanner(
+        cfg, store, sup, metrics, checkpoints, state, hooks, cluster=cluster
+    )
     local_agent = LocalAgent(output)
     watch = Watch(
         store=store,

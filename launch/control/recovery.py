@@ -1,21 +1,21 @@
 """From the live workers' reports to the next generation's plan.
 
-:class:`Planner` writes what the coordinator has told the workers (the current layout, the
+:class:`GenerationPlanner` writes what the coordinator has told the workers (the current layout, the
 step it resumes from, which workers have been given an entry generation: the
 :class:`~spotline.launch.control.job_state.JobState` every part reads) and publishes each
-generation's :class:`~spotline.wire.protocol.Plan`:
+generation's :class:`~spotline.wire.protocol.PlanMessage`:
 
-- :meth:`Planner.start`: generation 0, from step 0 or from a ``--resume``'s checkpoint.
-- :meth:`Planner.replan`: the committed step and a layout from what the workers hold
+- :meth:`GenerationPlanner.start`: generation 0, from step 0 or from a ``--resume``'s checkpoint.
+- :meth:`GenerationPlanner.replan`: the committed step and a layout from what the workers hold
   (:func:`spotline.plan.layout.plan_generation`), state moved in memory; a first start if
   nothing was trained yet; a fatal loss (a stage held by nobody) reads the last checkpoint.
-- :meth:`Planner.restore`: every member reads the last complete checkpoint (or starts
+- :meth:`GenerationPlanner.restore`: every member reads the last complete checkpoint (or starts
   over from step 0 without one).
-- :meth:`Planner.restart_all`: every worker is replaced, then :meth:`Planner.restore`.
+- :meth:`GenerationPlanner.restart_all`: every worker is replaced, then :meth:`GenerationPlanner.restore`.
 
 A recovery policy (:mod:`spotline.sim.recovery_policies`, beside the simulator's model of it)
 decides what a *failure* (a member lost) leads to, with these methods, and the checkpoint
-interval it needs; arrivals and departures at a step boundary are a :meth:`Planner.replan`
+interval it needs; arrivals and departures at a step boundary are a :meth:`GenerationPlanner.replan`
 whatever the policy.
 """
 
@@ -53,7 +53,7 @@ from spotline.plan.placement import (
     exposures,
 )
 from spotline.sim.recovery_policies import RECOVERY_POLICIES as POLICIES
-from spotline.wire.protocol import Plan, PlanAction, Store, entry_key, plan_key, report_key
+from spotline.wire.protocol import PlanAction, PlanMessage, Store, entry_key, plan_key, report_key
 
 POLL_S = 0.02
 RECOVERY_WAIT_S = 120  # longest wait for a first committed step after a change
@@ -79,7 +79,7 @@ class LoopHooks:
     (:meth:`~spotline.launch.control.stopping.StopProtocol.stop_keys`)."""
 
 
-class Planner:
+class GenerationPlanner:
     """The plans of one job: what was published, and how the next one is chosen."""
 
     def __init__(
@@ -146,7 +146,7 @@ class Planner:
     def members(self) -> list[str]:
         return self.state.members()
 
-    def publish(self, generation: int, plan: Plan) -> None:
+    def publish(self, generation: int, plan: PlanMessage) -> None:
         if plan.action != "finish":
             self.loop.stop_keys(generation)  # a stop chosen earlier holds for this one too
         if plan.layout is not None:
@@ -165,10 +165,10 @@ class Planner:
         *,
         checkpoint_step: int | None = None,
         shard_sources: Sequence[ShardSource] = (),
-    ) -> Plan:
+    ) -> PlanMessage:
         restarted = action == "restore" or not any(holders.values())
         interval, start = self._checkpoint_schedule(layout, resume, restarted=restarted)
-        return Plan(
+        return PlanMessage(
             action=action,
             layout=layout,
             logical=self._logical_assignment(layout),
@@ -184,7 +184,7 @@ class Planner:
     def start(self, workers: list[str], resume_from: int | None) -> None:
         """Generation 0 on the run's first ``workers``: from step 0, or every member reads
         the checkpoint at ``resume_from`` (no transfers)."""
-        S, P = self.cfg.num_stages, self.cfg.num_pipelines
+        S, P = self.cfg.num_stages, self.cfg.num_logical_workers
         self.layout = initial_layout(
             S,
             P,
@@ -269,8 +269,8 @@ class Planner:
             pipeline_name(p): 1.0 / max(seconds.get(w, typical) for w in row)
             for p, row in enumerate(layout.slots)
         }
-        even = assign_logical_workers(self.cfg.num_pipelines, dict.fromkeys(speeds, 1.0))
-        assignment = assign_logical_workers(self.cfg.num_pipelines, speeds)
+        even = assign_logical_workers(self.cfg.num_logical_workers, dict.fromkeys(speeds, 1.0))
+        assignment = assign_logical_workers(self.cfg.num_logical_workers, speeds)
         if not worth_moving(even, assignment, speeds):
             # Measurements are noisy: an even split unless speeds clearly differ.
             assignment = even
@@ -285,7 +285,7 @@ class Planner:
 
         ``reached``: the step in flight when the last generation ended; ``ready_t``: when
         everyone had stopped (a change without a failure is timed from there)."""
-        S, P = self.cfg.num_stages, self.cfg.num_pipelines
+        S, P = self.cfg.num_stages, self.cfg.num_logical_workers
         g = self.state.generation
         if failure and self.layout is not None:
             # The members the failure took, by failure domain: a burst or a single loss.
@@ -375,7 +375,9 @@ class Planner:
         """Say (one line, and an event in summary.json) that ``live`` workers are too few to
         hold the model within ``redundancy.stages_per_worker``: the job waits for arrivals."""
         capacity = self.cfg.capacity
-        needed = capacity.fewest_workers(self.cfg.num_stages, self.cfg.num_pipelines, elastic=True)
+        needed = capacity.fewest_workers(
+            self.cfg.num_stages, self.cfg.num_logical_workers, elastic=True
+        )
         if live >= needed:
             return  # too few for another reason (none so far in the elastic mode)
         self.metrics.event(
@@ -418,7 +420,7 @@ class Planner:
     def restore(self, reports: list[WorkerReport], g: int, reached: int = 0) -> None:
         """Every member reads the last complete checkpoint (a fatal loss, a restart)."""
         step = self.checkpoints.latest()
-        S, P = self.cfg.num_stages, self.cfg.num_pipelines
+        S, P = self.cfg.num_stages, self.cfg.num_logical_workers
         everyone = [WorkerReport(r.worker, (), r.previous_slot, r.machine) for r in reports]
         self._include_all(reports, g)
         if not everyone:
