@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from test_sim import TOY
+from conftest import TOY
 
 from spotline.errors import UserError
 from spotline.launch.simulate import main as simulate_main
