@@ -27,7 +27,7 @@ from __future__ import annotations
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotline.atomic_files import write_json_atomic
 from spotline.config import RunConfig
@@ -40,6 +40,14 @@ from spotline.launch.control.supervisor import JobError, child_environment
 from spotline.plan.layout import WorkerReport
 from spotline.run_dir import RECORD_NAME
 from spotline.wire.protocol import PlanMessage, entry_key
+
+if TYPE_CHECKING:
+    # The processes this coordinator starts, as arrows readers and tools can follow: the
+    # workers (``python -m`` launch/elastic_worker.py, forked by each machine's agent) and
+    # spotline train's local agent. Never imported when it runs: the worker's module loads
+    # torch, DeepSpeed and transformers, which the control plane must not; so they run by
+    # name (spotline.launch.control.entry_points, whose names a test ties to these modules).
+    from spotline.launch import agent, elastic_worker  # noqa: F401
 
 __all__ = ["Coordinator", "JobError", "Stopped", "child_environment"]
 

@@ -156,6 +156,14 @@ def test_no_import_circle_in_the_package() -> None:
     assert not found, "import circles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
+def test_the_coordinator_s_arrow_to_the_worker_is_an_import_the_tools_see() -> None:
+    """The control plane starts the worker by module name; the coordinator also imports
+    that module for readers and tools (only while type checking: it loads torch)."""
+    graph = import_graph()
+    assert "spotline.launch.elastic_worker" in graph["spotline.launch.coordinator"]
+    assert "spotline.launch.agent" in graph["spotline.launch.coordinator"]
+
+
 def test_no_arrow_from_a_lower_floor_to_a_higher_one() -> None:
     graph = import_graph()
     units = {unit_of(name) for name in graph}

@@ -10,7 +10,8 @@ the worker's module imports torch, DeepSpeed and transformers at import (its spa
 workers that share them), which the control plane must never load, and the agent's module
 is a floor above this one. So each is a name here, and a test
 (``tests/test_coordinator_parts.py``) imports each module and checks that its name is
-this one: renaming or moving either module fails it.
+this one: renaming or moving either module fails it. The coordinator imports both while
+type checking only, so that readers and tools see the arrows (``tests/test_structure.py``).
 """
 
 from __future__ import annotations
