@@ -35,10 +35,10 @@ from spotline.exact.reduction import LogicalGradients
 from spotline.models import layers as models
 from spotline.pipeline.clipping import apply_clip, clip_coefficient, per_layer_sq_norms
 from spotline.plan.evaluation import improves, is_due, perplexity
-from spotline.plan.sampler import GlobalSampler
 from spotline.reports.tracking import eval_fields
 from spotline.runtime import configure_process, param_sha256, seed_everything
 from spotline.wire.protocol import EvalResult
+from spotline.worker.engine_builder import global_sampler
 from spotline.worker.validator import EvalSet, evaluate_model
 
 if TYPE_CHECKING:
@@ -117,13 +117,7 @@ def train_reference(cfg: RunConfig) -> dict[str, Any]:
 
     num_logical_workers = cfg.num_logical_workers
     num_micro_batches = cfg.num_micro_batches
-    sampler = GlobalSampler(
-        num_samples=len(corpus),
-        num_logical_workers=num_logical_workers,
-        micro_batch_size=cfg.micro_batch_size,
-        num_micro_batches=num_micro_batches,
-        seed=sl.training.seed,
-    )
+    sampler = global_sampler(cfg, len(corpus))
     # DeepSpeed's default is 1.0 when the key is absent.
     max_norm = float(cfg.deepspeed.get("gradient_clipping", 1.0))
     losses: list[float] = []

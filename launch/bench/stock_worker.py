@@ -87,14 +87,13 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
         profile_dir,
         write_profile,
     )
-    from spotline.plan.sampler import GlobalSampler
     from spotline.runtime import (
         configure_process,
         init_distributed,
         peak_rss_mib,
         seed_everything,
     )
-    from spotline.worker.engine_builder import quiet_libraries
+    from spotline.worker.engine_builder import global_sampler, quiet_libraries
     from spotline.worker.loop import StepDone, StepHooks, StepLog, run_steps
 
     cfg = load_config(config_path)
@@ -129,13 +128,7 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
     profile = InstructionProfile() if profile_dir() else None
     if profile is not None:
         instrument(engine, profile)
-    sampler = GlobalSampler(
-        num_samples=len(corpus),
-        num_logical_workers=cfg.num_logical_workers,
-        micro_batch_size=cfg.micro_batch_size,
-        num_micro_batches=cfg.num_micro_batches,
-        seed=sl.training.seed,
-    )
+    sampler = global_sampler(cfg, len(corpus))
     pipeline_id = int(engine.grid.data_parallel_id)
 
     def get_batch(step: int, logical_worker: int, micro_batch: int) -> Any:
