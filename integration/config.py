@@ -37,6 +37,15 @@ OnWriteError = Literal["stop", "continue"]
 WandbMode = Literal["offline", "online", "disabled"]
 # How instruction records fill rows of seq_len + 1 tokens (spotline.data.instructions).
 InstructionLayout = Literal["pack", "pad"]
+# The compute precision. "bf16" is mixed precision with fp32 master weights: the parameters
+# and the optimizer state (the state of record: replicas, checkpoints, param_sha256) stay
+# fp32 and the forward and backward run under DeepSpeed's torch_autocast in bf16, so the
+# gradients reach the exact reduction as fp32 sums whatever the placement. (DeepSpeed's
+# BF16_Optimizer instead holds bf16 parameters and keeps the fp32 master partitioned over
+# the physical data-parallel group, a layout that changes with every rescale.)
+Precision = Literal["fp32", "bf16"]
+# The dtype of the exported save_pretrained model (spotline.export.dtype).
+ExportDtype = Literal["float32", "bfloat16", "float16"]
 
 
 @dataclass(frozen=True)
@@ -226,6 +235,14 @@ class DeterminismSection:
 
 
 @dataclass(frozen=True)
+class ExportSection:
+    """The model a run writes (``output/model``, a ``save_pretrained`` directory)."""
+
+    # The master weights (fp32) cast to this dtype; param_sha256 is over the fp32 ones.
+    dtype: ExportDtype = "float32"
+
+
+@dataclass(frozen=True)
 class SpotlineConfig:
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
@@ -238,6 +255,7 @@ class SpotlineConfig:
     recovery: RecoverySection = field(default_factory=RecoverySection)
     tracking: TrackingSection = field(default_factory=TrackingSection)
     determinism: DeterminismSection = field(default_factory=DeterminismSection)
+    export: ExportSection = field(default_factory=ExportSection)
 
 
 @dataclass(frozen=True)
@@ -256,6 +274,12 @@ class RunConfig:
     def num_micro_batches(self) -> int:
         """Micro-batches per pipeline per step (DeepSpeed's gradient accumulation steps)."""
         return int(self.deepspeed["gradient_accumulation_steps"])
+
+    @property
+    def precision(self) -> Precision:
+        """The compute precision (``"bf16"``: DeepSpeed's ``bf16`` or ``torch_autocast``
+        section); the parameters and optimizer state are fp32 whatever it is."""
+        return precision_of(self.deepspeed)
 
     @property
     def num_stages(self) -> int:
@@ -329,9 +353,6 @@ SUPPORTED_OPTIMIZERS = ("adam", "adamw")
 # DeepSpeed features that keep state across steps outside the parameters and optimizer,
 # which a recovery would not carry: on, they would change the result after a takeover.
 _STATEFUL_FEATURES = {
-    "fp16": "its dynamic loss scale",
-    "bf16": "its optimizer wrapper's master weights",
-    "bfloat16": "its optimizer wrapper's master weights",
     "amp": "its loss scaler",
     "curriculum_learning": "its difficulty schedule",
     "data_efficiency": "its sampling and token-dropping state",
@@ -358,22 +379,68 @@ def _indivisible_workers(workers: int, stages: int, model: str) -> UserError:
     )
 
 
+def _enabled(ds: Mapping[str, Any], key: str) -> bool:
+    section = ds.get(key)
+    return isinstance(section, Mapping) and bool(section.get("enabled", False))
+
+
+# torch_autocast's "dtype" spellings DeepSpeed reads, by the precision they mean.
+_AUTOCAST_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16"}
+
+
+def precision_of(ds: Mapping[str, Any]) -> Precision:
+    """The compute precision a DeepSpeed config asks for (see :data:`Precision`), or a
+    UserError naming the key where it asks for one Spotline does not train in."""
+    autocast = ds.get("torch_autocast")
+    autocast_dtype = None
+    if _enabled(ds, "torch_autocast"):
+        assert isinstance(autocast, Mapping)
+        raw = autocast.get("dtype", "bfloat16")
+        autocast_dtype = _AUTOCAST_DTYPES.get(str(raw).removeprefix("torch."))
+        if autocast_dtype is None:
+            raise UserError(
+                f"config key 'torch_autocast.dtype' is {json.dumps(raw)}; expected "
+                '"bfloat16" (or use "bf16": {"enabled": true})'
+            )
+    bf16 = _enabled(ds, "bf16") or _enabled(ds, "bfloat16") or autocast_dtype == "bf16"
+    fp16 = _enabled(ds, "fp16") or autocast_dtype == "fp16"
+    if bf16 and fp16:
+        raise UserError(
+            "config keys 'fp16' and 'bf16' are both enabled; one run trains in one precision: "
+            "keep 'bf16' and remove 'fp16'"
+        )
+    if fp16:
+        # Also the answer where the accelerator has no fp16 (DeepSpeed's CPU accelerator).
+        raise UserError(
+            "config key 'fp16' is enabled: fp16 needs a dynamic loss scaler, whose state "
+            'Spotline does not carry across a recovery yet; use "bf16": {"enabled": true} '
+            "(the same speed on GPUs that have bf16, and no loss scaling)"
+        )
+    return "bf16" if bf16 else "fp32"
+
+
 def _check_recoverable(ds: Mapping[str, Any]) -> None:
     """Refuse DeepSpeed keys whose state a recovery cannot carry exactly, naming the key."""
     for key, state in _STATEFUL_FEATURES.items():
-        section = ds.get(key)
-        if isinstance(section, Mapping) and section.get("enabled", False):
+        if _enabled(ds, key):
             raise UserError(
                 f"config key '{key}' is enabled: {state} is state that Spotline cannot carry "
-                f"across a recovery exactly; remove '{key}' (Spotline trains in fp32)"
+                f"across a recovery exactly; remove '{key}'"
             )
+    precision_of(ds)
     zero = ds.get("zero_optimization")
     stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    if stage in (2, 3):
+        raise UserError(
+            f"config key 'zero_optimization.stage' is {stage}: DeepSpeed's PipelineEngine "
+            "refuses ZeRO stages 2 and 3 (they partition gradients during the backward pass, "
+            "which pipeline parallelism does not support); use stage 0"
+        )
     if stage:
         raise UserError(
-            f"config key 'zero_optimization.stage' is {json.dumps(stage)}: ZeRO partitions "
-            "the optimizer state over data-parallel ranks, which a recovery does not move; "
-            "set it to 0 or remove 'zero_optimization'"
+            f"config key 'zero_optimization.stage' is {json.dumps(stage)}: ZeRO-1 partitions "
+            "the optimizer state over data-parallel ranks, which Spotline's recoveries do "
+            "not re-cut yet; set it to 0 or remove 'zero_optimization'"
         )
     optimizer = ds.get("optimizer")
     kind = optimizer.get("type") if isinstance(optimizer, Mapping) else None

@@ -90,6 +90,7 @@ OWNED_KEYS = frozenset(
         "optimizer",
         "scheduler",
         "gradient_clipping",
+        "bf16",
         "spotline.training.steps",
         "spotline.training.seed",
         "spotline.model.name",
@@ -236,9 +237,11 @@ def _scheduler_keys(args: Any, steps: int) -> dict[str, Any]:
 
 
 def _refuse_unsupported(args: Any) -> None:
-    for name in ("fp16", "bf16"):
-        if _arg(args, name):
-            raise UserError(f"{name}=True: Spotline trains in fp32 (exact); drop --{name}")
+    if _arg(args, "fp16"):
+        raise UserError(
+            "fp16=True: fp16's loss scaler is not carried across recoveries yet; "
+            "use --bf16 (mixed precision with fp32 master weights) or drop --fp16"
+        )
     if _arg(args, "optim") not in ("adamw_torch", "adamw_hf"):
         raise UserError(f"optim {_arg(args, 'optim')!r}: Spotline runs torch's AdamW only")
     if float(_arg(args, "label_smoothing_factor")) != 0.0:
@@ -268,6 +271,7 @@ def job_keys(args: Any) -> dict[str, Any]:
         "optimizer.params.eps": float(_arg(args, "adam_epsilon")),
         "optimizer.params.weight_decay": float(_arg(args, "weight_decay")),
         "gradient_clipping": float(_arg(args, "max_grad_norm")),
+        "bf16.enabled": bool(_arg(args, "bf16")),
         "spotline.training.steps": steps,
         "spotline.training.seed": int(_arg(args, "seed")),
         "spotline.checkpoints.interval_steps": (

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,10 +87,15 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def spotline_command(*args: str) -> list[str]:
+    """The ``spotline`` command line with ``args``, run by this interpreter."""
+    return [sys.executable, "-m", "spotline.launch.cli", *args]
+
+
 def run_spotline(args: list[str], *, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """Run the ``spotline`` command; the timeout bounds the test, the launcher reaps workers."""
     return subprocess.run(
-        [sys.executable, "-m", "spotline.launch.cli", *args],
+        spotline_command(*args),
         cwd=REPO,
         env=child_env(),
         capture_output=True,
@@ -216,3 +223,36 @@ def toy_config(tmp_path: Path) -> SimConfig:
     path.write_text(json.dumps(TOY))
     calibration = load_calibration(path)
     return SimConfig(calibration, calibration.model("toy"), num_nodes=4)
+
+
+def interrupt_run(config: Path, output: Path, presses: int) -> subprocess.CompletedProcess[str]:
+    """Start a run as a terminal would (its own session, workers included) and press Ctrl-C
+    ``presses`` times (to the process group, as a terminal does) once a checkpoint exists."""
+    from spotline.checkpointing.manifest import MANIFEST
+
+    proc = subprocess.Popen(
+        spotline_command("train", "--config", str(config), "--output", str(output)),
+        cwd=REPO,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 240
+        while not list(output.glob(f"checkpoints/*/{MANIFEST}")):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "no checkpoint was committed"
+            time.sleep(0.05)
+        for press in range(presses):
+            if press:
+                # The second press once the first is being acted on (it says where it stops).
+                time.sleep(0.2)
+            os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=240)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -78,8 +78,25 @@ def test_default_file_equals_builtin_default() -> None:
             "'scheduler.params.last_batch_iteration'",
         ),
         ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "'optimizer.type' is \"SGD\""),
-        ({"fp16": {"enabled": True}}, "'fp16' is enabled"),
-        ({"bf16": {"enabled": True}}, "'bf16' is enabled"),
+        # Precision: fp16 (also on a host without it: DeepSpeed's CPU accelerator) names
+        # bf16; two precisions at once; an autocast dtype of neither.
+        ({"fp16": {"enabled": True}}, "'fp16' is enabled: fp16 needs a dynamic loss scaler"),
+        ({"fp16": {"enabled": True}}, '"bf16": {"enabled": true}'),
+        (
+            {"torch_autocast": {"enabled": True, "dtype": "float16"}},
+            "'fp16' is enabled",
+        ),
+        (
+            {"fp16": {"enabled": True}, "bf16": {"enabled": True}},
+            "'fp16' and 'bf16' are both enabled",
+        ),
+        (
+            {"torch_autocast": {"enabled": True, "dtype": "int8"}},
+            "'torch_autocast.dtype' is \"int8\"",
+        ),
+        # ZeRO-2/3: DeepSpeed's PipelineEngine's own refusal, with its reason.
+        ({"zero_optimization": {"stage": 2}}, "PipelineEngine refuses ZeRO stages 2 and 3"),
+        ({"zero_optimization": {"stage": 3}}, "'zero_optimization.stage' is 3"),
         ({"zero_optimization": {"stage": 1}}, "'zero_optimization.stage' is 1"),
         ({"curriculum_learning": {"enabled": True}}, "'curriculum_learning' is enabled"),
     ],
@@ -133,6 +150,43 @@ def test_recoverable_deepspeed_keys_are_accepted() -> None:
         parse_config({"scheduler": {"type": name, "params": {}}})
     parse_config({"fp16": {"enabled": False}, "zero_optimization": {"stage": 0}})
     parse_config({"optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}})
+
+
+@pytest.mark.parametrize(
+    ("keys", "precision"),
+    [
+        ({}, "fp32"),
+        ({"bf16": {"enabled": False}}, "fp32"),
+        ({"bf16": {"enabled": True}}, "bf16"),
+        ({"bfloat16": {"enabled": True}}, "bf16"),
+        ({"torch_autocast": {"enabled": True}}, "bf16"),  # DeepSpeed's default dtype
+        ({"torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"}}, "bf16"),
+        ({"bf16": {"enabled": True}, "fp16": {"enabled": False}}, "bf16"),
+    ],
+)
+def test_the_precision_is_read_from_deepspeeds_keys_and_autocast_for_the_engine(
+    keys: dict, precision: str
+) -> None:
+    from spotline.pipeline.engine import deepspeed_config_for
+
+    cfg = parse_config(keys)
+    assert cfg.precision == precision
+    ds = deepspeed_config_for(cfg.deepspeed, num_physical_pipelines=2)
+    # DeepSpeed's bf16 section (BF16_Optimizer) never reaches the engine: the fp32
+    # parameters stay the master and the compute is autocast.
+    assert "bf16" not in ds and "bfloat16" not in ds
+    autocast = ds.get("torch_autocast", {})
+    assert autocast.get("enabled", False) == (precision == "bf16")
+    if precision == "bf16":
+        assert autocast["dtype"] == "bfloat16"
+
+
+def test_a_resume_refuses_a_change_of_precision() -> None:
+    from spotline.config_resume import resume_mismatch
+
+    fp32, bf16 = parse_config({}), parse_config({"bf16": {"enabled": True}})
+    assert "bf16" in (resume_mismatch(fp32, bf16) or "")
+    assert resume_mismatch(bf16, bf16) is None
 
 
 def test_a_run_starts_with_start_workers_and_keeps_the_logical_topology_of_workers() -> None:

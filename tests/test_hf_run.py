@@ -469,3 +469,27 @@ def test_pretrained_source_names_the_cause_without_the_network(
     (cached / "refs").mkdir()
     (cached / "refs" / "main").write_text("abc")
     assert pretrained_source("someone/my-model") == "someone/my-model"
+
+
+def test_training_arguments_bf16_is_spotlines_bf16_and_fp16_names_it() -> None:
+    from spotline.config import parse_config
+    from spotline.errors import UserError
+    from spotline.hf import TrainingArguments, job_keys
+
+    def config_of(args: TrainingArguments) -> Any:
+        raw: dict[str, Any] = {}
+        for dotted, value in job_keys(args).items():
+            *path, leaf = dotted.split(".")
+            node = raw
+            for part in path:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        return parse_config(raw)
+
+    assert (
+        config_of(TrainingArguments("out", max_steps=4, warmup_steps=2, bf16=True)).precision
+        == "bf16"
+    )
+    assert config_of(TrainingArguments("out", max_steps=4, warmup_steps=2)).precision == "fp32"
+    with pytest.raises(UserError, match="fp16=True.*use --bf16"):
+        TrainingArguments("out", max_steps=4, fp16=True)

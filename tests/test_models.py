@@ -222,23 +222,39 @@ def test_dropout_matches_reference_for_same_rng(dist_world):
     assert not torch.equal(logits, ref(inputs).logits)
 
 
-def test_activation_checkpointing_is_bitwise_neutral(dist_world):
-    cfg = models.load_hf_config("gpt2-tiny")
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "neox-tiny"])
+def test_activation_checkpointing_is_bitwise_neutral_in_fp32_and_bf16(dist_world, name):
+    """The recomputation in the backward pass equals the first forward, dropout (drawn
+    again from the same generator state) and bf16 autocast (restored for the recomputation)
+    included; and bf16 is really in force (its loss differs from fp32's)."""
+    cfg = models.load_hf_config(name)
     tokens = _tokens()
-    results = []
-    for interval in (0, 1):
-        module = models.build_pipeline_module(
-            cfg, 1, seed=SEED, activation_checkpoint_interval=interval
-        )
-        # The engine does this before its first forward; without it forward() skips every layer.
-        module._precompute_checkpointable_values()
-        torch.manual_seed(5)
-        loss = models.causal_lm_loss(module(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in module.named_parameters()}))
-    (loss_a, grads_a), (loss_b, grads_b) = results
-    assert torch.equal(loss_a, loss_b)
-    assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+    losses = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        results = []
+        for interval in (0, 1):
+            module = models.build_pipeline_module(
+                cfg, 1, seed=SEED, activation_checkpoint_interval=interval
+            )
+            # The engine does this before its first forward; without it forward() skips
+            # every layer.
+            module._precompute_checkpointable_values()
+            torch.manual_seed(5)
+            # As DeepSpeedEngine.forward runs the layers (torch_autocast) and PipelineEngine
+            # takes the loss, outside it.
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                logits = module(tokens[:, :-1])
+            loss = models.causal_lm_loss(logits, tokens[:, 1:])
+            loss.backward()
+            grads = {n: p.grad for n, p in module.named_parameters()}
+            assert all(g.dtype == torch.float32 for g in grads.values())  # fp32 gradients
+            results.append((loss.detach(), grads))
+        (loss_a, grads_a), (loss_b, grads_b) = results
+        assert torch.equal(loss_a, loss_b)
+        assert all(torch.equal(grads_a[n], grads_b[n]) for n in grads_a)
+        losses[dtype] = loss_a
+    assert losses[torch.bfloat16].dtype == torch.float32
+    assert not torch.equal(losses[torch.float32], losses[torch.bfloat16])
 
 
 def test_seed_decides_weights(dist_world):

@@ -97,11 +97,17 @@ def _check_model_state(off, lazy, eager, stages: int) -> None:
 
 # Each mode once and each stage count once: two stages (every replica wraps to the other
 # worker) lazy, four stages (a chain with one wrap) eager; the mode decides only whether the
-# replica's forward ran before the loss, the stage count only where the replica lives.
-@pytest.mark.parametrize(("stages", "mode"), [(2, "lazy"), (4, "eager")])
-def test_failover_replay_reproduces_the_owner_step(tmp_path: Path, stages: int, mode: str) -> None:
+# replica's forward ran before the loss, the stage count only where the replica lives. The
+# eager one in bf16: the replica's forward must run under the owner's autocast.
+@pytest.mark.parametrize(
+    ("stages", "mode", "precision"), [(2, "lazy", "fp32"), (4, "eager", "bf16")]
+)
+def test_failover_replay_reproduces_the_owner_step(
+    tmp_path: Path, stages: int, mode: str, precision: str
+) -> None:
     # Dropout on: the replay must also reproduce the owner's dropout masks.
     config = small_config(training={"steps": 3}, redundancy={"mode": mode})
+    config["bf16"] = {"enabled": precision == "bf16"}
     config["spotline"]["topology"] = {"stages": stages, "workers": stages}
     path = write_config(tmp_path / "c.json", config)
     codes = run_ranks(

@@ -9,20 +9,16 @@ stopped at once by two Ctrl-Cs, and runs whose output is on a 3 MB tmpfs.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import (
-    REPO,
-    child_env,
     file_stamps,
+    interrupt_run,
     read_summary,
     run_spotline,
     small_config,
@@ -180,37 +176,6 @@ def _processes_naming(text: str) -> list[int]:
     return found
 
 
-def _interrupt(config: Path, output: Path, presses: int) -> subprocess.CompletedProcess[str]:
-    """Start a run as a terminal would (its own session, workers included) and press Ctrl-C
-    ``presses`` times (to the process group, as a terminal does) once a checkpoint exists."""
-    proc = subprocess.Popen(
-        _spotline_cmd("train", "--config", str(config), "--output", str(output)),
-        cwd=REPO,
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 240
-        while not list(output.glob(f"checkpoints/*/{MANIFEST}")):
-            assert proc.poll() is None, proc.communicate()[1][-3000:]
-            assert time.monotonic() < deadline, "no checkpoint was committed"
-            time.sleep(0.05)
-        for press in range(presses):
-            if press:
-                # The second press once the first is being acted on (it says where it stops).
-                time.sleep(0.2)
-            os.killpg(proc.pid, signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=240)
-        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def _no_traceback(proc: subprocess.CompletedProcess[str], output: Path) -> None:
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "KeyboardInterrupt" not in proc.stderr
@@ -255,7 +220,7 @@ def test_ctrl_c_stops_at_a_checkpoint_and_resume_ends_with_the_uninterrupted_has
     # worker was killed and taken over).
     slow_killed = write_config(tmp_path / "slow-killed.json", _with_wandb(SLOW_KILLED))
     out = tmp_path / "stopped"
-    stopped = _interrupt(slow_killed, out, presses=1)
+    stopped = interrupt_run(slow_killed, out, presses=1)
     assert stopped.returncode == 130, stopped.stderr[-3000:]
     _no_traceback(stopped, out)
     last = stopped.stderr.strip().splitlines()[-1]
@@ -344,7 +309,7 @@ def test_ctrl_c_stops_at_a_checkpoint_and_resume_ends_with_the_uninterrupted_has
 
     # Two Ctrl-Cs: the job stops at once, still without a traceback, nothing left running.
     out2 = tmp_path / "stopped-twice"
-    twice = _interrupt(slow, out2, presses=2)
+    twice = interrupt_run(slow, out2, presses=2)
     assert twice.returncode == 130, twice.stderr[-3000:]
     _no_traceback(twice, out2)
     last = twice.stderr.strip().splitlines()[-1]

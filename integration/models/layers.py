@@ -64,6 +64,7 @@ from deepspeed.pipe import LayerSpec, PipelineModule
 from torch import Tensor, nn
 
 from spotline.errors import UserError
+from spotline.models.activation_recompute import recomputing_checkpoint
 from spotline.models.model_config import PRESETS as PRESETS  # re-exported: callers say models.*
 from spotline.models.model_config import arch_of, check_stages, is_tied
 from spotline.models.model_config import is_family as is_family
@@ -510,8 +511,9 @@ def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     mean is over the others, as Hugging Face's causal LM loss takes it; text data has none,
     so its loss is the plain mean. A micro-batch with no counted label would be 0/0 (NaN):
     the instruction corpora never build a row without one (``InstructionCorpus`` asserts it).
+    In fp32 (a no-op for fp32 logits): bf16 logits (autocast) would round the loss to 8 bits.
     """
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
 
 
 def logical_parts(hf_config: transformers.PretrainedConfig, num_stages: int) -> list[int]:
@@ -606,6 +608,7 @@ def build_pipeline_module(
         loss_fn=causal_lm_loss,
         partition_method=partition_method(hf_config),
         activation_checkpoint_interval=activation_checkpoint_interval,
+        activation_checkpoint_func=recomputing_checkpoint,
         checkpointable_layers=[_BLOCK_CLASS_NAME],
         parts=parts if parts is not None else logical_parts(hf_config, num_stages),
     )
@@ -630,8 +633,10 @@ def save_pretrained(
     out_dir: str,
     *,
     also: Callable[[str], None] | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> None:
-    """Write the full pipeline state as an HF model directory (``from_pretrained`` loads it).
+    """Write the full pipeline state as an HF model directory (``from_pretrained`` loads it),
+    its weights in ``dtype``.
 
     ``pipe_state`` is the pipeline's state dict merged over all stages. ``also`` writes more
     files into the directory (a tokenizer, a note) before it is complete. Written to a
@@ -655,6 +660,7 @@ def save_pretrained(
         params = dict(model.named_parameters())  # tied aliases appear once
         for name, tensor in hf_state.items():
             params[name].copy_(tensor.detach().to(params[name].device))
+    model.to(dtype)
     out_dir = os.path.abspath(out_dir)
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)

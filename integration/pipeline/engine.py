@@ -23,6 +23,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.schedule import PipeInstruction
 
+from spotline.config import precision_of
 from spotline.exact.reduction import LogicalGradients
 from spotline.pipeline.clipping import apply_clip, clip_coefficient, per_layer_sq_norms
 from spotline.pipeline.lr_schedule import StepSchedule
@@ -543,9 +544,22 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
 
 
 def deepspeed_config_for(run_ds: dict[str, Any], *, num_physical_pipelines: int) -> dict[str, Any]:
-    """The DeepSpeed config dict for an engine: Spotline's keys removed, batch size derived."""
+    """The DeepSpeed config dict for an engine: Spotline's keys removed, batch size derived,
+    the precision as DeepSpeed's ``torch_autocast`` (``spotline.config.Precision``)."""
     ds = copy.deepcopy(run_ds)
     ds.pop("spotline", None)
+    precision = precision_of(ds)
+    # DeepSpeed's bf16 section would wrap the optimizer in BF16_Optimizer (bf16 parameters,
+    # the fp32 master partitioned by the physical data-parallel group); Spotline keeps the
+    # fp32 parameters as the master and autocasts the compute instead.
+    for key in ("bf16", "bfloat16"):
+        ds.pop(key, None)
+    if precision == "bf16":
+        ds["torch_autocast"] = {
+            **ds.get("torch_autocast", {}),
+            "enabled": True,
+            "dtype": "bfloat16",
+        }
     ds["train_batch_size"] = (
         ds["train_micro_batch_size_per_gpu"]
         * ds["gradient_accumulation_steps"]

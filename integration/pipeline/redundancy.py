@@ -59,6 +59,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from deepspeed.runtime.torch_autocast import autocast_if_enabled
 
 from spotline.config import ReplicaDevice
 from spotline.exact.reduction import LogicalGradients
@@ -356,7 +357,10 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
                 partial(self.stash.count_saved, exclude=weights), _unpack
             ),
         ):
-            out = self.replica.forward(leaf)
+            # The owner's layers run under DeepSpeedEngine.forward's autocast and its loss
+            # outside it (PipelineEngine takes the loss after forward returns): the same here.
+            with autocast_if_enabled(self):
+                out = self.replica.forward(leaf)
             if self.replica.is_last:
                 labels = self._batch(micro_batch)[1].to(self.device)
                 out = self.replica.loss_fn(out, labels)

@@ -59,14 +59,20 @@ def save_model(
         if note is not None:
             Path(tmp_dir, EVAL_NOTE).write_text(note)
 
+    # The master weights are fp32; the file holds what spotline.export.dtype asks for.
     models.save_pretrained(
-        models.hf_to_layer_names(hf_params, hf_config), hf_config, str(directory), also=also
+        models.hf_to_layer_names(hf_params, hf_config),
+        hf_config,
+        str(directory),
+        also=also,
+        dtype=getattr(torch, cfg.spotline.export.dtype),
     )
 
 
 def export_final_model(engine: Any, hf_config: Any, output_dir: Path, cfg: RunConfig) -> str | None:
     """Save pipeline 0's parameters as a Hugging Face model, with the run's tokenizer, in
-    ``output_dir/model``; returns their ``param_sha256`` on global rank 0 (None elsewhere).
+    ``output_dir/model``; returns their ``param_sha256`` on global rank 0 (None elsewhere):
+    the fp32 master weights' hash, whatever dtype ``spotline.export.dtype`` saves.
     Collective: every rank calls it."""
     hf_params = gather_hf_parameters(engine, hf_config)
     if hf_params is None:

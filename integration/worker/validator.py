@@ -66,7 +66,11 @@ def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     :data:`IGNORE_INDEX` add nothing to either."""
     flat = labels.reshape(-1)
     loss_sum = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), flat, reduction="sum", ignore_index=IGNORE_INDEX
+        # fp32 whatever the compute precision (bf16 logits under autocast), as in training.
+        logits.reshape(-1, logits.shape[-1]).float(),
+        flat,
+        reduction="sum",
+        ignore_index=IGNORE_INDEX,
     )
     counted = (flat != IGNORE_INDEX).sum()
     return torch.stack([loss_sum.double(), counted.double()])
