@@ -103,6 +103,9 @@ class TopologySection:
     # up to ``workers`` (a spot cluster rarely has every machine up at once). A replayed
     # trace's first nodes decide instead.
     start_workers: int | None = None
+    # GiB one worker slot may hold (None: no limit): a run whose memory estimate
+    # (spotline.plan.memory_estimate) exceeds it is refused before any worker starts.
+    memory_per_slot_gb: float | None = None
 
 
 @dataclass(frozen=True)
@@ -522,6 +525,14 @@ def _check_evaluation(evaluation: EvaluationSection) -> None:
                 )
 
 
+def _check_memory_limit(limit: float | None) -> None:
+    if limit is not None and not limit > 0:
+        raise UserError(
+            f"config key 'spotline.topology.memory_per_slot_gb' is {limit}; expected a "
+            "positive number of GiB (or remove it: no limit)"
+        )
+
+
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks that need the whole config; raise UserError on the first problem."""
     sl = cfg.spotline
@@ -541,6 +552,7 @@ def validate(cfg: RunConfig) -> None:
             f"--start-workers {start} is more than --workers {sl.topology.workers}; the run "
             f"starts with at most its workers (use 1 to {sl.topology.workers})"
         )
+    _check_memory_limit(sl.topology.memory_per_slot_gb)
     _positive("spotline.training.steps", sl.training.steps)
     _positive("spotline.model.seq_len", sl.model.seq_len)
     _positive("spotline.elasticity.logical_workers", sl.elasticity.logical_workers)

@@ -62,6 +62,12 @@ FLAGS: tuple[Flag, ...] = (
         scope="workers",
     ),
     Flag("--stages", "spotline.topology.stages", "pipeline stages (logical)"),
+    Flag(
+        "--memory-per-slot-gb",
+        "spotline.topology.memory_per_slot_gb",
+        "GiB a worker may hold: a plan whose memory estimate exceeds it is refused at start",
+        metavar="GIB",
+    ),
     Flag("--steps", "spotline.training.steps", "optimizer steps to train"),
     Flag("--seed", "spotline.training.seed", "seed of the run (data order, init, dropout)"),
     Flag(
@@ -221,6 +227,7 @@ _SITE = "where and how this site keeps its records: set in the config file"
 CONFIG_ONLY: Mapping[str, str] = {
     "spotline.model.overrides": "an object of transformers config attributes: a file's",
     "spotline.model.activation_checkpoint_interval": _TUNING,
+    "spotline.export.dtype": "how the finished model is stored, set once a run: a file's",
     "spotline.redundancy.replica_device": _TUNING,
     "spotline.redundancy.verify_replicas": "a correctness check of replicas: " + _DEMO,
     "spotline.redundancy.stages_per_worker": _TUNING,

@@ -93,7 +93,7 @@ def _run(args: argparse.Namespace, script: str, script_args: list[str]) -> int:
         return fail(str(exc))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return start_run(cfg, output, None, checked.data)
+    return start_run(cfg, output, None, checked.summary_fields())
 
 
 def main(argv: list[str]) -> int:

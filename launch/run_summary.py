@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from spotline.plan.memory_estimate import size
 from spotline.reports.timeline import counted
 
 
@@ -31,11 +32,30 @@ def format_summary(s: dict[str, Any], output: Path) -> str:
             f"recoveries {s['recoveries']}  checkpoint fallbacks {s['checkpoint_fallbacks']}  "
             f"steps redone {s.get('steps_redone', 0)}",
             *recovery_lines(s),
+            *memory_lines(s),
             *eval_lines(s, output),
             f"  param_sha256 {s['param_sha256']}",
             f"  summary: {output / 'summary.json'}   model: {output / 'model'}",
         ]
     )
+
+
+def memory_lines(s: dict[str, Any]) -> list[str]:
+    """The largest worker's model state as estimated before the start (the fields the
+    workers count) beside the largest one counted from the tensors, and its activations'
+    estimate (a formula; they are not counted)."""
+    estimates = s.get("memory_estimate_per_stage") or []
+    counted = s.get("model_state_bytes_per_rank") or []
+    if not estimates or not counted:
+        return []
+    uncounted = ("activations", "logical_gradients", "total")
+    estimate = max(sum(v for k, v in e.items() if k not in uncounted) for e in estimates)
+    activations = max(e["activations"] for e in estimates)
+    largest = max(sum(c.values()) for c in counted)
+    return [
+        f"  memory per worker: model state {size(estimate)} estimated, {size(largest)} counted; "
+        f"activations {size(activations)} estimated"
+    ]
 
 
 def eval_lines(s: dict[str, Any], output: Path) -> list[str]:

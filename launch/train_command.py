@@ -132,7 +132,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     token_file = getattr(args, "token_file", None)
     try:
         listen = _parse_listen(args.listen) if getattr(args, "listen", None) else None
-        cfg, output, resume_from, data, coordinator = _prepare_run(
+        cfg, output, resume_from, inputs, coordinator = _prepare_run(
             args, head_start=listen is None and token_file is None, listen=listen
         )
     except UserError as exc:
@@ -141,7 +141,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         cfg,
         output,
         resume_from,
-        data,
+        inputs,
         listen=listen,
         token_file=token_file,
         coordinator=coordinator,
@@ -197,7 +197,7 @@ def start_run(
     cfg: RunConfig,
     output: Path,
     resume_from: int | None,
-    data: dict[str, Any],
+    inputs: dict[str, Any],
     *,
     listen: tuple[str, int] | None = None,
     token_file: str | None = None,
@@ -212,7 +212,7 @@ def start_run(
             )
         except UserError as exc:  # e.g. an unreachable etcd
             return fail(str(exc))
-    return _supervise(coordinator, output, data)
+    return _supervise(coordinator, output, inputs)
 
 
 def _parse_listen(text: str) -> tuple[str, int]:
@@ -252,8 +252,8 @@ def _prepare_run(
     """Everything checked before any worker starts: the config, the output directory, the
     model and corpus, the recovery settings, ``listen`` (``spotline coordinator``'s address,
     where its TCP store will listen). Returns the config, the output directory
-    (created), the step a resume continues from (None: step 0), what the data turned into
-    (summary.json's ``data``) and, with ``head_start``, the coordinator if it was started
+    (created), the step a resume continues from (None: step 0), what the inputs turned into
+    (summary.json's ``data`` and ``memory_estimate_per_stage``) and, with ``head_start``, the coordinator if it was started
     while the inputs were checked (else None: the caller makes it)."""
     if args.resume is not None:
         cfg, output = resume_config(args)
@@ -288,7 +288,7 @@ def _prepare_run(
             coordinator.abandon()
             shutil.rmtree(output, ignore_errors=True)
         raise
-    return cfg, output, resume_from, checked.data, coordinator
+    return cfg, output, resume_from, checked.summary_fields(), coordinator
 
 
 def _head_start(cfg: RunConfig, output: Path) -> Coordinator | None:
@@ -372,9 +372,9 @@ def _resume_step(cfg: RunConfig, output: Path) -> int | None:
     return resume_from
 
 
-def _supervise(coordinator: Coordinator, output: Path, data: dict[str, Any]) -> int:
+def _supervise(coordinator: Coordinator, output: Path, inputs: dict[str, Any]) -> int:
     """Run the job to its end with Ctrl-C handled (the first one stops at a checkpointed step
-    boundary, a second at once), write and print its summary (``data``: what the data turned
+    boundary, a second at once), write and print its summary (``inputs``: what the inputs turned
     into); the exit code."""
     from spotline.atomic_files import write_json_atomic
     from spotline.launch.coordinator import Stopped
@@ -427,7 +427,7 @@ def _supervise(coordinator: Coordinator, output: Path, data: dict[str, Any]) -> 
             f"spotline: error: the run ended without a result; see {output}/logs", file=sys.stderr
         )
         return 1
-    summary["data"] = data
+    summary.update(inputs)
     write_json_atomic(output / SUMMARY_NAME, summary)
     coordinator.finished()
     coordinator.log_to_wandb(summary)

@@ -49,6 +49,7 @@ def test_replicas_stay_bitwise_equal_and_never_change_the_math(spotline_train, s
     assert all(s > 0 for s in eager["redundant_compute_s_per_rank"])
     assert all(s == 0 for s in lazy["redundant_compute_s_per_rank"])
     _check_model_state(off, lazy, eager, stages)
+    _check_memory_estimate(config, off, lazy, stages)
 
 
 def test_fused_adamw_replicas_step_to_the_owner_s_bits(spotline_train) -> None:
@@ -93,6 +94,29 @@ def _check_model_state(off, lazy, eager, stages: int) -> None:
             assert counts["stash"] > 0
     assert all(c["eager_graph"] == 0 for c in lazy["model_state_bytes_per_rank"])
     assert all(c["eager_graph"] > 0 for c in eager["model_state_bytes_per_rank"])
+
+
+def _check_memory_estimate(config, off, lazy, stages: int) -> None:
+    """The estimate made before the start (spotline.plan.memory_estimate, in summary.json)
+    is within 5% of what each rank counted from its tensors, kind by kind summed, with
+    redundancy off and on. One pipeline: rank r runs stage r."""
+    counted_kinds = (
+        "parameters",
+        "gradients",
+        "optimizer",
+        "replica_parameters",
+        "replica_gradients",
+        "replica_optimizer",
+        "stash",
+    )
+    for run in (off, lazy):
+        estimates = run["memory_estimate_per_stage"]
+        assert len(estimates) == stages
+        for rank, counts in enumerate(run["model_state_bytes_per_rank"]):
+            estimated = sum(estimates[rank][k] for k in counted_kinds)
+            measured = sum(counts[k] for k in counted_kinds)
+            assert abs(estimated - measured) <= 0.05 * measured, (rank, estimates[rank], counts)
+            assert estimates[rank]["activations"] > 0
 
 
 # Each mode once and each stage count once: two stages (every replica wraps to the other

@@ -66,10 +66,11 @@ from torch import Tensor, nn
 from spotline.errors import UserError
 from spotline.models.activation_recompute import recomputing_checkpoint
 from spotline.models.model_config import PRESETS as PRESETS  # re-exported: callers say models.*
-from spotline.models.model_config import arch_of, check_stages, is_tied
+from spotline.models.model_config import arch_of, block_weights, check_stages, is_tied, layer_slots
 from spotline.models.model_config import is_family as is_family
 from spotline.models.model_config import load_hf_config as load_hf_config
 from spotline.models.model_config import num_blocks as num_blocks
+from spotline.models.model_config import num_layers as num_layers
 
 # Class name the "type:" partition method counts: only transformer blocks weigh anything.
 _BLOCK_CLASS_NAME = "TransformerBlockPipe"
@@ -288,50 +289,6 @@ class WholeModelPipe(nn.Module):
 # Layout: which global layer holds which HF submodule
 
 
-@dataclass(frozen=True)
-class _LayerSlot:
-    """One pipeline-state prefix and the HF state prefix it maps to."""
-
-    pipe_prefix: str
-    hf_prefix: str
-
-
-# The attribute of WholeModelPipe that holds the HF model: its state names' prefix.
-_WHOLE_PREFIX = "0.model."
-
-
-def _layout(hf_config: transformers.PretrainedConfig) -> tuple[int, list[_LayerSlot]]:
-    """Number of pipeline layers and the name prefixes of every parameterised part."""
-    if not is_family(hf_config):
-        return 1, [_LayerSlot(_WHOLE_PREFIX, "")]
-    arch = arch_of(hf_config)
-    tied = is_tied(hf_config)
-    slots: list[_LayerSlot] = []
-    idx = 0
-    slots.append(_LayerSlot(f"{idx}.embedding.", f"{arch.tok_embed}."))
-    idx += 1
-    if arch.pos_embed or arch.embed_dropout:
-        if arch.pos_embed:
-            slots.append(_LayerSlot(f"{idx}.wpe.", f"{arch.pos_embed}."))
-        idx += 1
-    for block_idx in range(num_blocks(hf_config)):
-        slots.append(_LayerSlot(f"{idx}.block.", f"{arch.blocks}.{block_idx}."))
-        idx += 1
-    slots.append(_LayerSlot(f"{idx}.norm.", f"{arch.final_norm}."))
-    idx += 1
-    if tied:
-        slots.append(_LayerSlot(f"{idx}.embedding.", f"{arch.lm_head}."))
-    else:
-        slots.append(_LayerSlot(f"{idx}.head.", f"{arch.lm_head}."))
-    idx += 1
-    return idx, slots
-
-
-def num_layers(hf_config: transformers.PretrainedConfig) -> int:
-    """Number of pipeline layers (specs) :func:`build_layer_specs` returns."""
-    return _layout(hf_config)[0]
-
-
 def tied_copies(hf_config: transformers.PretrainedConfig) -> dict[str, str]:
     """Pipeline name of each tied copy -> the name of the parameter it is a copy of.
 
@@ -426,7 +383,7 @@ def layer_names_to_hf(
     embedding only; HF's tied alias (``lm_head.weight``) is not produced. Inverse of
     :func:`hf_to_layer_names`.
     """
-    pairs = [(slot.pipe_prefix, slot.hf_prefix) for slot in _layout(hf_config)[1]]
+    pairs = [(slot.pipe_prefix, slot.hf_prefix) for slot in layer_slots(hf_config)]
     return {_swap_prefix(name, pairs, "pipeline"): tensor for name, tensor in pipe_state.items()}
 
 
@@ -440,7 +397,7 @@ def hf_to_layer_names(
     whole model's names (with or without its aliases) just gain the ``0.model.`` prefix.
     Inverse of :func:`layer_names_to_hf`.
     """
-    pairs = [(slot.hf_prefix, slot.pipe_prefix) for slot in _layout(hf_config)[1]]
+    pairs = [(slot.hf_prefix, slot.pipe_prefix) for slot in layer_slots(hf_config)]
     drop_tied_aliases(hf_state, hf_config)  # checks that a given alias equals the embedding
     out = {_swap_prefix(name, pairs, "Hugging Face"): tensor for name, tensor in hf_state.items()}
     copies = tied_copies(hf_config)  # none for a whole model, whose aliases map as they are
@@ -529,10 +486,7 @@ def logical_parts(hf_config: transformers.PretrainedConfig, num_stages: int) -> 
     if not is_family(hf_config):
         return [0, 1]
 
-    weights = [0] * num_layers(hf_config)
-    first_block = 2 if (arch_of(hf_config).pos_embed or arch_of(hf_config).embed_dropout) else 1
-    for block_idx in range(num_blocks(hf_config)):
-        weights[first_block + block_idx] = 1
+    weights = block_weights(hf_config)
     return [int(p) for p in ds_utils.partition_balanced(weights=weights, num_parts=num_stages)]
 
 

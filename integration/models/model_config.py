@@ -63,6 +63,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     # CPU host, where Spotline's fixed per-step costs weigh less than on the tiny models.
     "gpt2-mid": _gpt2(n_layer=6, n_embd=192, n_head=6, n_positions=128),
     "gpt2-big": _gpt2(n_layer=8, n_embd=384, n_head=6, n_positions=128),
+    # Real sizes (the byte-level corpus uses the first 260 rows of the larger vocabularies).
+    # GPT-2 small as published: 12 blocks, width 768, 12 heads, 50257 tokens, 124M parameters.
+    "gpt2-small": {
+        **_gpt2(n_layer=12, n_embd=768, n_head=12, n_positions=1024),
+        "vocab_size": 50257,
+    },
+    # A Llama of the same size: grouped-query attention (12 query heads, 4 key/value heads),
+    # a 32000-token vocabulary and an untied head, 124.7M parameters.
+    "llama-small": {
+        **_llama(layers=12, hidden=768, heads=12, intermediate=2048),
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+    },
     "llama-tiny": _llama(layers=4, hidden=64, heads=4, intermediate=128),
     "llama-mid": _llama(layers=6, hidden=192, heads=6, intermediate=512),
     "llama-big": _llama(layers=8, hidden=384, heads=6, intermediate=1024),
@@ -261,3 +276,85 @@ def preset_blocks(name: str) -> int | None:
     if fields is None:
         return None
     return int(fields.get("n_layer", fields.get("num_hidden_layers", 0)))
+
+
+# ---------------------------------------------------------------------------------------
+# Layout: which pipeline layer holds which HF submodule
+
+
+@dataclass(frozen=True)
+class LayerSlot:
+    """One pipeline-state prefix and the HF state prefix it maps to."""
+
+    pipe_prefix: str
+    hf_prefix: str
+
+
+# The attribute of WholeModelPipe that holds the HF model: its state names' prefix.
+WHOLE_PREFIX = "0.model."
+
+
+def _layout(hf_config: transformers.PretrainedConfig) -> tuple[int, list[LayerSlot]]:
+    """Number of pipeline layers and the name prefixes of every parameterised part."""
+    if not is_family(hf_config):
+        return 1, [LayerSlot(WHOLE_PREFIX, "")]
+    arch = arch_of(hf_config)
+    slots: list[LayerSlot] = []
+    idx = 0
+    slots.append(LayerSlot(f"{idx}.embedding.", f"{arch.tok_embed}."))
+    idx += 1
+    if arch.pos_embed or arch.embed_dropout:
+        if arch.pos_embed:
+            slots.append(LayerSlot(f"{idx}.wpe.", f"{arch.pos_embed}."))
+        idx += 1
+    for block_idx in range(num_blocks(hf_config)):
+        slots.append(LayerSlot(f"{idx}.block.", f"{arch.blocks}.{block_idx}."))
+        idx += 1
+    slots.append(LayerSlot(f"{idx}.norm.", f"{arch.final_norm}."))
+    idx += 1
+    head = "embedding" if is_tied(hf_config) else "head"
+    slots.append(LayerSlot(f"{idx}.{head}.", f"{arch.lm_head}."))
+    idx += 1
+    return idx, slots
+
+
+def num_layers(hf_config: transformers.PretrainedConfig) -> int:
+    """Number of pipeline layers (specs) ``spotline.models.layers.build_layer_specs`` returns."""
+    return _layout(hf_config)[0]
+
+
+def layer_slots(hf_config: transformers.PretrainedConfig) -> list[LayerSlot]:
+    """The name prefixes of every parameterised part, pipeline and HF."""
+    return _layout(hf_config)[1]
+
+
+def block_weights(hf_config: transformers.PretrainedConfig) -> list[int]:
+    """Each pipeline layer's weight in the split into stages: 1 a transformer block, else 0
+    (a whole model: its one layer)."""
+    if not is_family(hf_config):
+        return [1]
+    weights = [0] * num_layers(hf_config)
+    first_block = 2 if (arch_of(hf_config).pos_embed or arch_of(hf_config).embed_dropout) else 1
+    for block_idx in range(num_blocks(hf_config)):
+        weights[first_block + block_idx] = 1
+    return weights
+
+
+def layer_parameters(hf_config: transformers.PretrainedConfig) -> list[tuple[int, int]]:
+    """Parameter elements and tensors of each pipeline layer (a tied head's copy of the
+    embedding counted on its own layer, as the pipeline holds it), from the Hugging Face
+    model built on the meta device: no memory, no initialisation, any model type."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config)  # type: ignore[no-untyped-call]
+    counts = [(0, 0)] * num_layers(hf_config)
+    slots = layer_slots(hf_config)
+    # Tied weights appear once in named_parameters; the pipeline's copy is on its own layer.
+    for hf_name, param in model.named_parameters(remove_duplicate=False):
+        slot = next(s for s in slots if hf_name.startswith(s.hf_prefix))
+        layer = int(slot.pipe_prefix.split(".", 1)[0])
+        elements, tensors = counts[layer]
+        counts[layer] = (elements + param.numel(), tensors + 1)
+    return counts

@@ -40,6 +40,12 @@ class CheckedInputs:
     startup_s: float
     # What the data became (spotline.data.inputs.Inputs.summary): summary.json's "data".
     data: dict[str, Any]
+    # Each logical stage's worker's estimated bytes (spotline.plan.memory_estimate).
+    memory_estimate_per_stage: list[dict[str, int]]
+
+    def summary_fields(self) -> dict[str, Any]:
+        """What summary.json records of the inputs."""
+        return {"data": self.data, "memory_estimate_per_stage": self.memory_estimate_per_stage}
 
 
 class PendingCheck:
@@ -92,7 +98,12 @@ class PendingCheck:
             )
         lines = [line for line in out.splitlines() if line.strip()]
         assert lines, "the input check printed no data summary"
-        return CheckedInputs(startup_s=seconds, data=json.loads(lines[-1]))
+        found = json.loads(lines[-1])
+        return CheckedInputs(
+            startup_s=seconds,
+            data=found["data"],
+            memory_estimate_per_stage=found["memory_estimate_per_stage"],
+        )
 
     def kill(self) -> None:
         if self._proc.poll() is None:
@@ -116,16 +127,25 @@ def main() -> int:
     """The child: read the config from stdin, resolve the model and corpus."""
     # Here, not at the top: the coordinator's process imports this module for check_inputs.
     from spotline.data.inputs import prepare_inputs
+    from spotline.plan.memory_estimate import describe, over_limit
+    from spotline.reports.memory_report import estimate_run
 
     cfg = parse_config(json.loads(sys.stdin.read()), source=sys.argv[1])
     try:
         inputs = prepare_inputs(cfg)
+        memory = estimate_run(cfg, inputs.hf_config)
+        limit = cfg.spotline.topology.memory_per_slot_gb
+        too_big = None if limit is None else over_limit(memory, limit)
+        if too_big is not None:
+            raise UserError(too_big)
     except UserError as exc:
         print(str(exc), flush=True)
         return USER_ERROR_EXIT
     for note in inputs.data.notes():
         print(f"spotline: {note}", file=sys.stderr, flush=True)
-    print(json.dumps(inputs.summary()), flush=True)
+    print(f"spotline: {describe(memory)}", file=sys.stderr, flush=True)
+    found = {"data": inputs.summary(), "memory_estimate_per_stage": [m.to_json() for m in memory]}
+    print(json.dumps(found), flush=True)
     return 0
 
 
