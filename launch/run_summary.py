@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from spotline.plan.memory_estimate import size
+from spotline.plan.memory_estimate import COUNTED_KINDS, size
 from spotline.reports.timeline import counted
 
 
@@ -48,8 +48,7 @@ def memory_lines(s: dict[str, Any]) -> list[str]:
     counted = s.get("model_state_bytes_per_rank") or []
     if not estimates or not counted:
         return []
-    uncounted = ("activations", "logical_gradients", "total")
-    estimate = max(sum(v for k, v in e.items() if k not in uncounted) for e in estimates)
+    estimate = max(sum(e[kind] for kind in COUNTED_KINDS) for e in estimates)
     activations = max(e["activations"] for e in estimates)
     largest = max(sum(c.values()) for c in counted)
     return [

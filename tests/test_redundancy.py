@@ -100,15 +100,8 @@ def _check_memory_estimate(config, off, lazy, stages: int) -> None:
     """The estimate made before the start (spotline.plan.memory_estimate, in summary.json)
     is within 5% of what each rank counted from its tensors, kind by kind summed, with
     redundancy off and on. One pipeline: rank r runs stage r."""
-    counted_kinds = (
-        "parameters",
-        "gradients",
-        "optimizer",
-        "replica_parameters",
-        "replica_gradients",
-        "replica_optimizer",
-        "stash",
-    )
+    from spotline.plan.memory_estimate import COUNTED_KINDS as counted_kinds
+
     for run in (off, lazy):
         estimates = run["memory_estimate_per_stage"]
         assert len(estimates) == stages

@@ -28,6 +28,17 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 GIB = 1 << 30
+# The kinds the workers count from their tensors too (ModelStateBytes has them and the
+# eager graph; the estimate has them, the logical workers' copies and the activations).
+COUNTED_KINDS = (
+    "parameters",
+    "gradients",
+    "optimizer",
+    "replica_parameters",
+    "replica_gradients",
+    "replica_optimizer",
+    "stash",
+)
 _FP32 = 4
 _TOKEN_ID = 8  # int64 token ids
 

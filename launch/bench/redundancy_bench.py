@@ -48,6 +48,7 @@ from spotline.launch.bench.jobs import (
     write_config,
 )
 from spotline.plan.redundancy_mode import REDUNDANCY_MODES
+from spotline.wire.protocol import ModelStateBytes
 
 SHARDED = "lazy-sharded"
 """The bench's mode for lazy redundancy with sharded replicas (2 pipelines or more)."""
@@ -371,16 +372,7 @@ def format_redundancy(report: dict[str, Any]) -> str:
                 f"| {m['peak_rss_ratio_to_off_max_rank']:.3f} | {state} | {ms_redundant} "
                 f"| {ms_sync} | {hidden} | {m['num_extra_steps']} |"
             )
-    kinds = (
-        "parameters",
-        "gradients",
-        "optimizer",
-        "replica_parameters",
-        "replica_gradients",
-        "replica_optimizer",
-        "stash",
-        "eager_graph",
-    )
+    kinds = tuple(ModelStateBytes().to_json())
     state_rows = [
         "| case | mode | rank | " + " | ".join(k.replace("_", " ") for k in kinds) + " | total |",
         "|---|---|---:|" + "---:|" * (len(kinds) + 1),
