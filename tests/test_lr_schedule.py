@@ -168,9 +168,11 @@ def test_kills_before_during_and_after_warmup_keep_the_schedule(
 @pytest.mark.timeout(900)
 def test_a_checkpoint_restore_keeps_the_schedule(spotline_train, undisturbed) -> None:
     """A fatal loss (stage 2's owner and its replica holder killed together) restored from
-    the checkpoint of step 4, with the rate of step 4 on."""
+    the checkpoint of step 4, with the rate (and OneCycle's momentum) of step 4 on. OneCycle:
+    its undisturbed run is the kill test's too (every scheduler's rate at every step is
+    checked without processes above)."""
     restored = spotline_train(
-        scheduled_config("WarmupDecayLR"),
+        scheduled_config("OneCycle"),
         *TOPOLOGIES["1x4"],
         "--checkpoint-interval",
         "2",
@@ -181,7 +183,7 @@ def test_a_checkpoint_restore_keeps_the_schedule(spotline_train, undisturbed) ->
     )
     fallback = [e for e in restored["events"] if e["kind"] == "checkpoint-fallback"]
     assert restored["checkpoint_fallbacks"] == 1 and fallback[0]["step"] == 4
-    same_run(restored, undisturbed("WarmupDecayLR", "1x4"))
+    same_run(restored, undisturbed("OneCycle", "1x4"))
 
 
 @pytest.mark.slow

@@ -134,6 +134,9 @@ SCHEDULER = {
     "params": {"warmup_max_lr": 0.004, "warmup_num_steps": 4, "total_num_steps": STEPS},
 }
 CONFIG["scheduler"] = SCHEDULER
+# In bf16 (fp32 master weights, autocast compute): a resume restores the master weights and
+# continues with the same compute (fp32's checkpoint restores are the fallback tests').
+CONFIG["bf16"] = {"enabled": True}
 # The interrupted runs: worker w0 sleeps after its share of each step (the math is the
 # same), so that a Ctrl-C sent once the first checkpoint is committed lands mid-run.
 SLOW = small_config(
@@ -143,6 +146,7 @@ SLOW = small_config(
     elasticity={"slow_worker": 0, "slow_factor": 4.0},
 )
 SLOW["scheduler"] = SCHEDULER
+SLOW["bf16"] = {"enabled": True}
 # A kill before the stop (worker 1, in the first step, before the first checkpoint): the
 # resumed run's record must still count it.
 SLOW_KILLED = {
