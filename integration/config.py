@@ -285,6 +285,15 @@ class RunConfig:
         return precision_of(self.deepspeed)
 
     @property
+    def activation_checkpoint_interval(self) -> int:
+        """Blocks a checkpointed range holds (0: none): ``spotline.model.
+        activation_checkpoint_interval``, or DeepSpeed's own key for it,
+        ``pipeline.activation_checkpoint_interval`` (``validate`` refuses the two disagreeing)."""
+        return self.spotline.model.activation_checkpoint_interval or _deepspeed_checkpoint_interval(
+            self.deepspeed
+        )
+
+    @property
     def num_stages(self) -> int:
         return self.spotline.topology.stages
 
@@ -525,6 +534,34 @@ def _check_evaluation(evaluation: EvaluationSection) -> None:
                 )
 
 
+def _deepspeed_checkpoint_interval(ds: Mapping[str, Any]) -> int:
+    pipeline = ds.get("pipeline")
+    value = (
+        pipeline.get("activation_checkpoint_interval", 0) if isinstance(pipeline, Mapping) else 0
+    )
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise UserError(
+            f"config key 'pipeline.activation_checkpoint_interval' is {json.dumps(value)}; "
+            "expected a whole number of blocks (0: no activation checkpointing)"
+        )
+    return value
+
+
+def _check_checkpoint_interval(cfg: RunConfig) -> None:
+    ours = cfg.spotline.model.activation_checkpoint_interval
+    theirs = _deepspeed_checkpoint_interval(cfg.deepspeed)
+    if ours < 0:
+        raise UserError(
+            f"config key 'spotline.model.activation_checkpoint_interval' is {ours}; expected "
+            "a whole number of blocks (0: no activation checkpointing)"
+        )
+    if ours and theirs and ours != theirs:
+        raise UserError(
+            f"config keys 'spotline.model.activation_checkpoint_interval' ({ours}) and "
+            f"'pipeline.activation_checkpoint_interval' ({theirs}) disagree; set one of them"
+        )
+
+
 def _check_memory_limit(limit: float | None) -> None:
     if limit is not None and not limit > 0:
         raise UserError(
@@ -553,6 +590,7 @@ def validate(cfg: RunConfig) -> None:
             f"starts with at most its workers (use 1 to {sl.topology.workers})"
         )
     _check_memory_limit(sl.topology.memory_per_slot_gb)
+    _check_checkpoint_interval(cfg)
     _positive("spotline.training.steps", sl.training.steps)
     _positive("spotline.model.seq_len", sl.model.seq_len)
     _positive("spotline.elasticity.logical_workers", sl.elasticity.logical_workers)

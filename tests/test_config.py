@@ -203,3 +203,16 @@ def test_a_run_starts_with_start_workers_and_keeps_the_logical_topology_of_worke
     # A replayed trace's first nodes decide instead.
     trace = {"spotline.recovery.trace": "integration/assets/traces/p3-trace.csv"}
     assert initial({**trace, "spotline.topology.start_workers": 1})[0] == 2
+
+
+def test_activation_checkpointing_from_spotlines_key_or_deepspeeds() -> None:
+    ours = {"spotline": {"model": {"activation_checkpoint_interval": 2}}}
+    theirs = {"pipeline": {"activation_checkpoint_interval": 2}}
+    assert parse_config({}).activation_checkpoint_interval == 0
+    assert parse_config(ours).activation_checkpoint_interval == 2
+    assert parse_config(theirs).activation_checkpoint_interval == 2
+    assert parse_config({**ours, **theirs}).activation_checkpoint_interval == 2
+    with pytest.raises(UserError, match="disagree; set one of them"):
+        parse_config({**ours, "pipeline": {"activation_checkpoint_interval": 1}})
+    with pytest.raises(UserError, match="'pipeline.activation_checkpoint_interval' is -1"):
+        parse_config({"pipeline": {"activation_checkpoint_interval": -1}})

@@ -43,7 +43,7 @@ def memory_plan(cfg: RunConfig) -> MemoryPlan:
         redundancy=redundancy.on,
         replica_pieces=pipelines if redundancy.replica == "sharded" else 1,
         bf16=cfg.precision == "bf16",
-        activation_checkpoint_interval=cfg.spotline.model.activation_checkpoint_interval,
+        activation_checkpoint_interval=cfg.activation_checkpoint_interval,
         hosted_logical_workers=-(-cfg.num_logical_workers // pipelines),
     )
 

@@ -96,7 +96,7 @@ def build_worker_engine(
         # A save_pretrained directory's weights are step 0's (a later generation of
         # spotline train loads its stages over them from memory, a peer or a checkpoint).
         pretrained_dir=pretrained_dir_of(sl.model.name),
-        activation_checkpoint_interval=sl.model.activation_checkpoint_interval,
+        activation_checkpoint_interval=cfg.activation_checkpoint_interval,
         topology=topology,
         parts=models.physical_parts(logical, layout.groups),
     )

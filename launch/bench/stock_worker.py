@@ -116,7 +116,7 @@ def run(config_path: str, output: Path) -> dict[str, Any] | None:
         hf_config,
         cfg.num_stages,
         seed=sl.training.seed,
-        activation_checkpoint_interval=sl.model.activation_checkpoint_interval,
+        activation_checkpoint_interval=cfg.activation_checkpoint_interval,
         layer_specs=deepspeed_tied(models.build_layer_specs(hf_config, seed=sl.training.seed)),
     )
     engine, _, _, _ = deepspeed.initialize(
