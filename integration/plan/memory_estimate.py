@@ -9,8 +9,9 @@ A worker of logical stage ``s`` holds (fp32 master weights whatever the compute 
   received flat gradient (its ``.grad`` are views of it);
 - the stash a replay needs: its outputs (stage ``s + 1``'s inputs) and, but on stage 0, the
   gradients of its inputs, one a micro-batch; on the last stage, stage 0's token ids;
-- one flat fp32 gradient copy a hosted logical worker beyond the first (the exact
-  reduction keeps each logical worker's gradient until the step's reduction);
+- one flat fp32 gradient copy a hosted logical worker (the exact reduction keeps each
+  logical worker's gradient, in buffers kept across steps; the sum it writes is the
+  gradients' own storage);
 - activations (a formula, not a count): 1F1B keeps ``min(M, S - s)`` micro-batches in
   flight on stage ``s``, each block's saved tensors ``s b h (34 + 5 a s / h)`` bytes in 16
   bits (Korthikanti et al., 2022) or twice that in fp32, only the block inputs with
@@ -183,7 +184,7 @@ def estimate_stage(shape: ModelShape, plan: MemoryPlan, stage: int) -> StageMemo
         replica_gradients=_FP32 * replica,  # the received flat message (.grad views it)
         replica_optimizer=_adam_bytes(replica, rep_tensors) if replica else 0,
         stash=stash,
-        logical_gradients=_FP32 * own * max(0, plan.hosted_logical_workers - 1),
+        logical_gradients=_FP32 * own * plan.hosted_logical_workers,
         activations=_activation_bytes(shape, plan, stage),
     )
 
