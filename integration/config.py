@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from spotline.config_precision import Precision, enabled, precision_of
 from spotline.config_reader import parse_section
 from spotline.errors import UserError
 from spotline.models.model_config import preset_blocks
@@ -37,13 +38,6 @@ OnWriteError = Literal["stop", "continue"]
 WandbMode = Literal["offline", "online", "disabled"]
 # How instruction records fill rows of seq_len + 1 tokens (spotline.data.instructions).
 InstructionLayout = Literal["pack", "pad"]
-# The compute precision. "bf16" is mixed precision with fp32 master weights: the parameters
-# and the optimizer state (the state of record: replicas, checkpoints, param_sha256) stay
-# fp32 and the forward and backward run under DeepSpeed's torch_autocast in bf16, so the
-# gradients reach the exact reduction as fp32 sums whatever the placement. (DeepSpeed's
-# BF16_Optimizer instead holds bf16 parameters and keeps the fp32 master partitioned over
-# the physical data-parallel group, a layout that changes with every rescale.)
-Precision = Literal["fp32", "bf16"]
 # The dtype of the exported save_pretrained model (spotline.export.dtype).
 ExportDtype = Literal["float32", "bfloat16", "float16"]
 
@@ -391,50 +385,10 @@ def _indivisible_workers(workers: int, stages: int, model: str) -> UserError:
     )
 
 
-def _enabled(ds: Mapping[str, Any], key: str) -> bool:
-    section = ds.get(key)
-    return isinstance(section, Mapping) and bool(section.get("enabled", False))
-
-
-# torch_autocast's "dtype" spellings DeepSpeed reads, by the precision they mean.
-_AUTOCAST_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16"}
-
-
-def precision_of(ds: Mapping[str, Any]) -> Precision:
-    """The compute precision a DeepSpeed config asks for (see :data:`Precision`), or a
-    UserError naming the key where it asks for one Spotline does not train in."""
-    autocast = ds.get("torch_autocast")
-    autocast_dtype = None
-    if _enabled(ds, "torch_autocast"):
-        assert isinstance(autocast, Mapping)
-        raw = autocast.get("dtype", "bfloat16")
-        autocast_dtype = _AUTOCAST_DTYPES.get(str(raw).removeprefix("torch."))
-        if autocast_dtype is None:
-            raise UserError(
-                f"config key 'torch_autocast.dtype' is {json.dumps(raw)}; expected "
-                '"bfloat16" (or use "bf16": {"enabled": true})'
-            )
-    bf16 = _enabled(ds, "bf16") or _enabled(ds, "bfloat16") or autocast_dtype == "bf16"
-    fp16 = _enabled(ds, "fp16") or autocast_dtype == "fp16"
-    if bf16 and fp16:
-        raise UserError(
-            "config keys 'fp16' and 'bf16' are both enabled; one run trains in one precision: "
-            "keep 'bf16' and remove 'fp16'"
-        )
-    if fp16:
-        # Also the answer where the accelerator has no fp16 (DeepSpeed's CPU accelerator).
-        raise UserError(
-            "config key 'fp16' is enabled: fp16 needs a dynamic loss scaler, whose state "
-            'Spotline does not carry across a recovery yet; use "bf16": {"enabled": true} '
-            "(the same speed on GPUs that have bf16, and no loss scaling)"
-        )
-    return "bf16" if bf16 else "fp32"
-
-
 def _check_recoverable(ds: Mapping[str, Any]) -> None:
     """Refuse DeepSpeed keys whose state a recovery cannot carry exactly, naming the key."""
     for key, state in _STATEFUL_FEATURES.items():
-        if _enabled(ds, key):
+        if enabled(ds, key):
             raise UserError(
                 f"config key '{key}' is enabled: {state} is state that Spotline cannot carry "
                 f"across a recovery exactly; remove '{key}'"

@@ -27,7 +27,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # Pure planning (no torch), and the model configs and layers.
     ("plan", "models"),
     # The settings, the simulator, and what crosses the wire.
-    ("config", "config_reader", "config_resume", "sim", "wire"),
+    ("config", "config_precision", "config_reader", "config_resume", "sim", "wire"),
     # What a run reads and writes.
     ("data", "reports", "checkpointing"),
     # EasyScale's exact reduction, then Bamboo's pipeline engine built on it.

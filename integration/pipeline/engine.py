@@ -23,7 +23,7 @@ from deepspeed.runtime.pipe.engine import PipelineEngine
 from deepspeed.runtime.pipe.module import PipelineModule
 from deepspeed.runtime.pipe.schedule import PipeInstruction
 
-from spotline.config import precision_of
+from spotline.config_precision import precision_of
 from spotline.exact.reduction import LogicalGradients
 from spotline.pipeline.clipping import apply_clip, clip_coefficient, per_layer_sq_norms
 from spotline.pipeline.lr_schedule import StepSchedule

@@ -1,0 +1,1 @@
+../../integration/config_precision.py
