@@ -66,9 +66,10 @@ from torch import Tensor, nn
 from spotline.errors import UserError
 from spotline.models.activation_recompute import recomputing_checkpoint
 from spotline.models.model_config import PRESETS as PRESETS  # re-exported: callers say models.*
-from spotline.models.model_config import arch_of, block_weights, check_stages, is_tied, layer_slots
+from spotline.models.model_config import arch_of, check_stages, is_tied, layer_slots
 from spotline.models.model_config import is_family as is_family
 from spotline.models.model_config import load_hf_config as load_hf_config
+from spotline.models.model_config import logical_parts as logical_parts
 from spotline.models.model_config import num_blocks as num_blocks
 from spotline.models.model_config import num_layers as num_layers
 
@@ -471,23 +472,6 @@ def causal_lm_loss(logits: Tensor, labels: Tensor) -> Tensor:
     In fp32 (a no-op for fp32 logits): bf16 logits (autocast) would round the loss to 8 bits.
     """
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-
-
-def logical_parts(hf_config: transformers.PretrainedConfig, num_stages: int) -> list[int]:
-    """Layer boundaries of ``num_stages`` logical stages: the transformer blocks spread evenly.
-
-    The same computation as DeepSpeed's ``type:`` partition method, done without a process
-    group, so every process (and the planner) agrees on which layers form logical stage s.
-    A whole model is one stage of one layer.
-    """
-    from deepspeed.runtime import utils as ds_utils
-
-    check_stages(hf_config, num_stages)
-    if not is_family(hf_config):
-        return [0, 1]
-
-    weights = block_weights(hf_config)
-    return [int(p) for p in ds_utils.partition_balanced(weights=weights, num_parts=num_stages)]
 
 
 def physical_parts(logical: Sequence[int], groups: Sequence[Sequence[int]]) -> list[int]:

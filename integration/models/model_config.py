@@ -8,7 +8,7 @@ model's config; ``spotline.models.layers``, which builds the pipeline stages, im
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -358,3 +358,51 @@ def layer_parameters(hf_config: transformers.PretrainedConfig) -> list[tuple[int
         elements, tensors = counts[layer]
         counts[layer] = (elements + param.numel(), tensors + 1)
     return counts
+
+
+def balanced_parts(weights: Sequence[int], num_parts: int) -> list[int]:
+    """Boundaries of ``num_parts`` contiguous parts of ``weights`` whose sums differ least
+    (largest minus smallest), ties going to the later split: the partition DeepSpeed's
+    ``partition_balanced`` gives (tests/test_memory_estimate.py compares the two), without
+    DeepSpeed. ``[0, ..., len(weights)]``."""
+    n = len(weights)
+    if n <= num_parts:
+        return [min(p, n) for p in range(num_parts + 1)]
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    # best[i][j]: (spread, largest, smallest, last split) of the first i items in j parts.
+    best: list[list[tuple[int, int, int, int] | None]] = [
+        [None] * (num_parts + 1) for _ in range(n + 1)
+    ]
+    best[0][0] = (0, 0, 0, 0)
+    for i in range(1, n + 1):
+        for j in range(1, min(i, num_parts) + 1):
+            for k in range(i):
+                before = best[k][j - 1]
+                if before is None:
+                    continue
+                part = prefix[i] - prefix[k]
+                largest = max(before[1], part)
+                smallest = part if k == 0 else min(before[2], part)
+                spread = largest - smallest
+                current = best[i][j]
+                if current is None or spread <= current[0]:
+                    best[i][j] = (spread, largest, smallest, k)
+    parts = [n]
+    for j in range(num_parts, 0, -1):
+        entry = best[parts[-1]][j]
+        assert entry is not None
+        parts.append(entry[3])
+    return parts[::-1]
+
+
+def logical_parts(hf_config: transformers.PretrainedConfig, num_stages: int) -> list[int]:
+    """Layer boundaries of ``num_stages`` logical stages: the transformer blocks spread evenly.
+
+    The same computation as DeepSpeed's ``type:`` partition method, done without a process
+    group (or DeepSpeed), so every process, the planner and the memory estimate agree on
+    which layers form logical stage s. A whole model is one stage of one layer.
+    """
+    check_stages(hf_config, num_stages)
+    return balanced_parts(block_weights(hf_config), num_stages)

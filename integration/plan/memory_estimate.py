@@ -44,43 +44,6 @@ _FP32 = 4
 _TOKEN_ID = 8  # int64 token ids
 
 
-def balanced_parts(weights: Sequence[int], num_parts: int) -> list[int]:
-    """Boundaries of ``num_parts`` contiguous parts of ``weights`` whose sums differ least
-    (largest minus smallest), ties going to the later split: the partition DeepSpeed's
-    ``partition_balanced`` gives (``spotline.models.layers.logical_parts``), without
-    DeepSpeed. ``[0, ..., len(weights)]``."""
-    n = len(weights)
-    if n <= num_parts:
-        return [min(p, n) for p in range(num_parts + 1)]
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    # best[i][j]: (spread, largest, smallest, last split) of the first i items in j parts.
-    best: list[list[tuple[int, int, int, int] | None]] = [
-        [None] * (num_parts + 1) for _ in range(n + 1)
-    ]
-    best[0][0] = (0, 0, 0, 0)
-    for i in range(1, n + 1):
-        for j in range(1, min(i, num_parts) + 1):
-            for k in range(i):
-                before = best[k][j - 1]
-                if before is None:
-                    continue
-                part = prefix[i] - prefix[k]
-                largest = max(before[1], part)
-                smallest = part if k == 0 else min(before[2], part)
-                spread = largest - smallest
-                current = best[i][j]
-                if current is None or spread <= current[0]:
-                    best[i][j] = (spread, largest, smallest, k)
-    parts = [n]
-    for j in range(num_parts, 0, -1):
-        entry = best[parts[-1]][j]
-        assert entry is not None
-        parts.append(entry[3])
-    return parts[::-1]
-
-
 @dataclass(frozen=True)
 class ModelShape:
     """What the estimate needs of the model and the batch."""

@@ -6,12 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from spotline.config import RunConfig
-from spotline.models.model_config import block_weights, layer_parameters
+from spotline.models.model_config import block_weights, layer_parameters, logical_parts
 from spotline.plan.memory_estimate import (
     MemoryPlan,
     ModelShape,
     StageMemory,
-    balanced_parts,
     estimate,
 )
 
@@ -20,7 +19,7 @@ def model_shape(cfg: RunConfig, hf_config: Any) -> ModelShape:
     """What the estimate needs of ``cfg``'s model (a transformers config) and batch."""
     layers = layer_parameters(hf_config)
     weights = block_weights(hf_config)
-    parts = balanced_parts(weights, cfg.num_stages)
+    parts = logical_parts(hf_config, cfg.num_stages)
     spans = [range(parts[s], parts[s + 1]) for s in range(cfg.num_stages)]
     return ModelShape(
         stage_parameters=tuple(sum(layers[i][0] for i in span) for span in spans),
