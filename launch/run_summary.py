@@ -50,7 +50,7 @@ def memory_lines(s: dict[str, Any]) -> list[str]:
         return []
     estimate = max(sum(e[kind] for kind in COUNTED_KINDS) for e in estimates)
     activations = max(e["activations"] for e in estimates)
-    largest = max(sum(c.values()) for c in counted)
+    largest = max(sum(c[kind] for kind in COUNTED_KINDS) for c in counted)
     return [
         f"  memory per worker: model state {size(estimate)} estimated, {size(largest)} counted; "
         f"activations {size(activations)} estimated"

@@ -289,6 +289,11 @@ class LayerSlot:
     pipe_prefix: str
     hf_prefix: str
 
+    @property
+    def layer(self) -> int:
+        """The pipeline layer (global index) the slot belongs to."""
+        return int(self.pipe_prefix.split(".", 1)[0])
+
 
 # The attribute of WholeModelPipe that holds the HF model: its state names' prefix.
 WHOLE_PREFIX = "0.model."
@@ -334,9 +339,9 @@ def block_weights(hf_config: transformers.PretrainedConfig) -> list[int]:
     if not is_family(hf_config):
         return [1]
     weights = [0] * num_layers(hf_config)
-    first_block = 2 if (arch_of(hf_config).pos_embed or arch_of(hf_config).embed_dropout) else 1
-    for block_idx in range(num_blocks(hf_config)):
-        weights[first_block + block_idx] = 1
+    for slot in layer_slots(hf_config):
+        if slot.pipe_prefix.endswith(".block."):
+            weights[slot.layer] = 1
     return weights
 
 
@@ -354,9 +359,8 @@ def layer_parameters(hf_config: transformers.PretrainedConfig) -> list[tuple[int
     # Tied weights appear once in named_parameters; the pipeline's copy is on its own layer.
     for hf_name, param in model.named_parameters(remove_duplicate=False):
         slot = next(s for s in slots if hf_name.startswith(s.hf_prefix))
-        layer = int(slot.pipe_prefix.split(".", 1)[0])
-        elements, tensors = counts[layer]
-        counts[layer] = (elements + param.numel(), tensors + 1)
+        elements, tensors = counts[slot.layer]
+        counts[slot.layer] = (elements + param.numel(), tensors + 1)
     return counts
 
 
