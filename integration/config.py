@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from spotline.config_precision import Precision, enabled, precision_of
+from spotline.config_precision import Precision, enabled, loss_scaling_of, precision_of
 from spotline.config_reader import parse_section
 from spotline.errors import UserError
 from spotline.models.model_config import preset_blocks
 from spotline.plan.capacity import DEFAULT_STAGES_PER_WORKER, Capacity
 from spotline.plan.chaos import parse_rescales
+from spotline.plan.loss_scale import LossScaling
 from spotline.plan.policies import RecoveryMode
 from spotline.plan.redundancy_mode import RedundancyMode, redundancy_on
 from spotline.plan.shards import ReplicaKind
@@ -274,9 +275,14 @@ class RunConfig:
 
     @property
     def precision(self) -> Precision:
-        """The compute precision (``"bf16"``: DeepSpeed's ``bf16`` or ``torch_autocast``
+        """The compute precision (DeepSpeed's ``bf16`` or ``fp16`` or ``torch_autocast``
         section); the parameters and optimizer state are fp32 whatever it is."""
         return precision_of(self.deepspeed)
+
+    @property
+    def loss_scaling(self) -> LossScaling:
+        """fp16's loss scaler (DeepSpeed's ``fp16`` keys); no scaling in fp32 and bf16."""
+        return loss_scaling_of(self.deepspeed)
 
     @property
     def activation_checkpoint_interval(self) -> int:
@@ -393,7 +399,7 @@ def _check_recoverable(ds: Mapping[str, Any]) -> None:
                 f"config key '{key}' is enabled: {state} is state that Spotline cannot carry "
                 f"across a recovery exactly; remove '{key}'"
             )
-    precision_of(ds)
+    loss_scaling_of(ds)  # the precision, and fp16's scaler keys
     zero = ds.get("zero_optimization")
     stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
     if stage in (2, 3):

@@ -91,6 +91,7 @@ OWNED_KEYS = frozenset(
         "scheduler",
         "gradient_clipping",
         "bf16",
+        "fp16",
         "spotline.training.steps",
         "spotline.training.seed",
         "spotline.model.name",
@@ -236,12 +237,23 @@ def _scheduler_keys(args: Any, steps: int) -> dict[str, Any]:
     return {"scheduler.type": kind, **{f"scheduler.params.{k}": v for k, v in params.items()}}
 
 
+def _fp16_keys(args: Any) -> dict[str, Any]:
+    """``fp16=True``: DeepSpeed's fp16 loss scaler with the settings of the scaler Hugging
+    Face's Trainer runs (torch's GradScaler defaults: 2**16, halved at every overflow,
+    doubled after 2,000 clean steps, counted as DeepSpeed's DynamicLossScaler counts them)."""
+    if not _arg(args, "fp16"):
+        return {"fp16.enabled": False}
+    return {
+        "fp16.enabled": True,
+        "fp16.initial_scale_power": 16,
+        "fp16.loss_scale_window": 2000,
+        "fp16.hysteresis": 1,
+    }
+
+
 def _refuse_unsupported(args: Any) -> None:
-    if _arg(args, "fp16"):
-        raise UserError(
-            "fp16=True: fp16's loss scaler is not carried across recoveries yet; "
-            "use --bf16 (mixed precision with fp32 master weights) or drop --fp16"
-        )
+    if _arg(args, "fp16") and _arg(args, "bf16"):
+        raise UserError("fp16=True and bf16=True: one run trains in one precision; drop one")
     if _arg(args, "optim") not in ("adamw_torch", "adamw_hf"):
         raise UserError(f"optim {_arg(args, 'optim')!r}: Spotline runs torch's AdamW only")
     if float(_arg(args, "label_smoothing_factor")) != 0.0:
@@ -272,6 +284,7 @@ def job_keys(args: Any) -> dict[str, Any]:
         "optimizer.params.weight_decay": float(_arg(args, "weight_decay")),
         "gradient_clipping": float(_arg(args, "max_grad_norm")),
         "bf16.enabled": bool(_arg(args, "bf16")),
+        **_fp16_keys(args),
         "spotline.training.steps": steps,
         "spotline.training.seed": int(_arg(args, "seed")),
         "spotline.checkpoints.interval_steps": (

@@ -47,7 +47,19 @@ SEAMS: dict[str, tuple[str, str]] = {
     ),
     "deepspeed.runtime.engine.DeepSpeedEngine._take_model_step": (
         "c4c6e01aa1fc4e7d",
-        "calls clip_fp32_gradients() for fp32 without ZeRO, then optimizer.step()",
+        "calls clip_fp32_gradients() for fp32 without ZeRO, then optimizer.step(); with "
+        "torch_autocast_z0_gradscaler set (fp16): its unscale_ (with clipping), step and "
+        "update instead, the protocol spotline.pipeline.loss_scaling.LossScaler follows",
+    ),
+    "deepspeed.runtime.engine.DeepSpeedEngine.__init__": (
+        "f5140f7abc775d22",
+        "creates torch_autocast_z0_gradscaler (a torch GradScaler) for fp16 under "
+        "torch_autocast without ZeRO: SpotlinePipelineEngine replaces it with LossScaler",
+    ),
+    "deepspeed.runtime.engine.DeepSpeedEngine.backward": (
+        "89aab0f80f1a80b3",
+        "divides the loss by the accumulation steps, then scales it with "
+        "torch_autocast_z0_gradscaler.scale when set (fp16's LossScaler)",
     ),
     "deepspeed.runtime.engine.DeepSpeedEngine.clip_fp32_gradients": (
         "c3ad53cbce68a72f",

@@ -78,13 +78,12 @@ def test_default_file_equals_builtin_default() -> None:
             "'scheduler.params.last_batch_iteration'",
         ),
         ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "'optimizer.type' is \"SGD\""),
-        # Precision: fp16 (also on a host without it: DeepSpeed's CPU accelerator) names
-        # bf16; two precisions at once; an autocast dtype of neither.
-        ({"fp16": {"enabled": True}}, "'fp16' is enabled: fp16 needs a dynamic loss scaler"),
-        ({"fp16": {"enabled": True}}, '"bf16": {"enabled": true}'),
+        # Precision: two at once; an autocast dtype of neither; a loss scale that would not
+        # unscale exactly (the scaler's keys: test_loss_scale.py).
+        ({"fp16": {"enabled": True, "loss_scale": 100}}, "'fp16.loss_scale' is 100"),
         (
-            {"torch_autocast": {"enabled": True, "dtype": "float16"}},
-            "'fp16' is enabled",
+            {"torch_autocast": {"enabled": True, "dtype": "float16"}, "bf16": {"enabled": True}},
+            "'fp16' and 'bf16' are both enabled",
         ),
         (
             {"fp16": {"enabled": True}, "bf16": {"enabled": True}},
@@ -162,6 +161,8 @@ def test_recoverable_deepspeed_keys_are_accepted() -> None:
         ({"torch_autocast": {"enabled": True}}, "bf16"),  # DeepSpeed's default dtype
         ({"torch_autocast": {"enabled": True, "dtype": "torch.bfloat16"}}, "bf16"),
         ({"bf16": {"enabled": True}, "fp16": {"enabled": False}}, "bf16"),
+        ({"fp16": {"enabled": True}}, "fp16"),
+        ({"torch_autocast": {"enabled": True, "dtype": "torch.float16"}}, "fp16"),
     ],
 )
 def test_the_precision_is_read_from_deepspeeds_keys_and_autocast_for_the_engine(
@@ -172,13 +173,13 @@ def test_the_precision_is_read_from_deepspeeds_keys_and_autocast_for_the_engine(
     cfg = parse_config(keys)
     assert cfg.precision == precision
     ds = deepspeed_config_for(cfg.deepspeed, num_physical_pipelines=2)
-    # DeepSpeed's bf16 section (BF16_Optimizer) never reaches the engine: the fp32
-    # parameters stay the master and the compute is autocast.
-    assert "bf16" not in ds and "bfloat16" not in ds
+    # DeepSpeed's bf16 and fp16 sections (BF16_Optimizer, FP16_Optimizer) never reach the
+    # engine: the fp32 parameters stay the master and the compute is autocast.
+    assert "bf16" not in ds and "bfloat16" not in ds and "fp16" not in ds
     autocast = ds.get("torch_autocast", {})
-    assert autocast.get("enabled", False) == (precision == "bf16")
-    if precision == "bf16":
-        assert autocast["dtype"] == "bfloat16"
+    assert autocast.get("enabled", False) == (precision != "fp32")
+    if precision != "fp32":
+        assert autocast["dtype"] == {"bf16": "bfloat16", "fp16": "float16"}[precision]
 
 
 def test_a_resume_refuses_a_change_of_precision() -> None:
@@ -187,6 +188,10 @@ def test_a_resume_refuses_a_change_of_precision() -> None:
     fp32, bf16 = parse_config({}), parse_config({"bf16": {"enabled": True}})
     assert "bf16" in (resume_mismatch(fp32, bf16) or "")
     assert resume_mismatch(bf16, bf16) is None
+    fp16 = parse_config({"fp16": {"enabled": True}})
+    assert "fp16" in (
+        resume_mismatch(fp16, parse_config({"fp16": {"enabled": True, "hysteresis": 1}})) or ""
+    )
 
 
 def test_a_run_starts_with_start_workers_and_keeps_the_logical_topology_of_workers() -> None:

@@ -207,8 +207,9 @@ def test_bad_input_is_one_line_and_nothing_written(job: dict[str, Path], tmp_pat
     silent = run_spotline(["run", "--output", str(out), str(script)])
     assert silent.returncode == 2
     assert "ended without constructing spotline.hf.Trainer" in one_error_line(silent.stderr)
-    fp16 = run_spotline(["run", "--output", str(out), SCRIPT, *script_args(job, out, "--fp16")])
-    assert fp16.returncode == 2 and "fp16" in one_error_line(fp16.stderr)
+    both = [*script_args(job, out, "--fp16"), "--bf16"]
+    fp16 = run_spotline(["run", "--output", str(out), SCRIPT, *both])
+    assert fp16.returncode == 2 and "fp16=True and bf16=True" in one_error_line(fp16.stderr)
     conflict = run_spotline(
         ["run", "--steps", "9", "--output", str(out), SCRIPT, *script_args(job, out)]
     )
@@ -329,7 +330,7 @@ def plain_mistakes(
             {},
             ("max_steps is not set", "--max_steps"),
         ),
-        "fp16": ([*args, "--fp16"], {}, ("fp16", "drop --fp16")),
+        "fp16 and bf16": ([*args, "--fp16", "--bf16"], {}, ("fp16=True and bf16=True", "drop one")),
         "missing train file": (
             [*args, "--train_file", str(scratch / "nope.jsonl")],
             {},
@@ -357,7 +358,7 @@ def plain_mistakes(
     "mistake",
     [
         "epochs",
-        "fp16",
+        "fp16 and bf16",
         "missing train file",
         "missing model directory",
         "hub name offline",
@@ -471,7 +472,7 @@ def test_pretrained_source_names_the_cause_without_the_network(
     assert pretrained_source("someone/my-model") == "someone/my-model"
 
 
-def test_training_arguments_bf16_is_spotlines_bf16_and_fp16_names_it() -> None:
+def test_training_arguments_bf16_and_fp16_are_spotlines() -> None:
     from spotline.config import parse_config
     from spotline.errors import UserError
     from spotline.hf import TrainingArguments, job_keys
@@ -491,5 +492,10 @@ def test_training_arguments_bf16_is_spotlines_bf16_and_fp16_names_it() -> None:
         == "bf16"
     )
     assert config_of(TrainingArguments("out", max_steps=4, warmup_steps=2)).precision == "fp32"
-    with pytest.raises(UserError, match="fp16=True.*use --bf16"):
-        TrainingArguments("out", max_steps=4, fp16=True)
+    fp16 = config_of(TrainingArguments("out", max_steps=4, warmup_steps=2, fp16=True))
+    # Hugging Face's own fp16 scaler is torch's GradScaler with its defaults.
+    assert fp16.precision == "fp16"
+    assert (fp16.loss_scaling.initial_scale, fp16.loss_scaling.window) == (2.0**16, 2000)
+    assert fp16.loss_scaling.hysteresis == 1
+    with pytest.raises(UserError, match="fp16=True and bf16=True"):
+        TrainingArguments("out", max_steps=4, fp16=True, bf16=True)

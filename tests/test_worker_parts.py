@@ -21,6 +21,7 @@ from spotline.plan.layout import (
     plan_generation,
 )
 from spotline.plan.logical import rebalanced
+from spotline.plan.loss_scale import NO_SCALING, LossScaleState, LossScaling
 from spotline.plan.shards import Piece, shard_pieces
 from spotline.worker.holdings import (
     Holdings,
@@ -71,10 +72,14 @@ def numels(stage: int) -> list[tuple[str, int]]:
     return [(n, int(shape.numel())) for n, shape in stage_names(stage)]
 
 
+# A loss scaler's state with no field at its default: a round trip that drops one shows.
+SCALER = LossScaleState(2.0**13, iteration=VERSION, last_overflow=4, hysteresis=3, skipped=2)
+
+
 def make_stage(stage: int, version: int = VERSION, seed: int = 0) -> StageState:
     """A stage's state as an engine would have it after ``version`` steps (random bits)."""
     g = torch.Generator().manual_seed(1000 * seed + stage)
-    st = StageState(version, {}, {})
+    st = StageState(version, {}, {}, loss_scale=SCALER)
     for name, shape in stage_names(stage):
         st.params[name] = torch.randn(shape, generator=g)
         st.opt[name] = {
@@ -92,11 +97,13 @@ def copy_of(st: StageState) -> StageState:
         {n: {k: v.clone() for k, v in o.items()} for n, o in st.opt.items()},
         shard=st.shard,
         shards=st.shards,
+        loss_scale=st.loss_scale,
     )
 
 
 def assert_same(got: StageState, want: StageState) -> None:
     assert got.version == want.version
+    assert got.loss_scale == want.loss_scale
     assert sorted(got.params) == sorted(want.params)
     for name in want.params:
         assert torch.equal(got.params[name], want.params[name]), name
@@ -232,7 +239,7 @@ def test_a_replica_a_step_behind_is_rolled_forward_to_the_resume_step() -> None:
     is, after the roll-forward to v + 1, what an optimizer that ran every step has; a holding
     too old to roll forward is dropped, one at the resume step kept."""
     sched = schedule()
-    recipe = OptimizerRecipe(torch.optim.AdamW, dict(sched.defaults), sched)
+    recipe = OptimizerRecipe(torch.optim.AdamW, dict(sched.defaults), sched, NO_SCALING)
     g = torch.Generator().manual_seed(5)
     names = [n for n, _ in stage_names(1)]
     params = [torch.nn.Parameter(torch.randn(SHAPES[n], generator=g)) for n in names]
@@ -251,6 +258,7 @@ def test_a_replica_a_step_behind_is_rolled_forward_to_the_resume_step() -> None:
                 },
                 {n: grad.clone() for n, grad in zip(names, grads[step], strict=True)},
                 clip,
+                loss_scale=NO_SCALING.initial(),
             )
         sched.apply(reference.param_groups, step)
         for p, grad in zip(params, grads[step], strict=True):
@@ -317,6 +325,63 @@ def test_pack_and_unpack_give_back_every_bit_in_tensors_of_its_own() -> None:
     assert_same(got, st)
 
 
+@pytest.mark.parametrize("skip", [False, True])
+def test_an_fp16_holding_rolls_forward_with_its_owners_scale_or_skips(skip: bool) -> None:
+    """fp16: a replica's held gradients still carry the step's loss scale; the roll-forward
+    unscales them (the owner's multiplication by 1/scale), clips, steps with the rate at the
+    schedule's position (skipped steps held back), or, where the job's overflow skipped the
+    step, leaves parameters and optimizer state alone; the scaler advances either way."""
+    sched = schedule()
+    scaling = LossScaling(enabled=True, initial_scale=2.0**10, hysteresis=1, window=4)
+    recipe = OptimizerRecipe(torch.optim.AdamW, dict(sched.defaults), sched, scaling)
+    g = torch.Generator().manual_seed(9)
+    names = [n for n, _ in stage_names(1)]
+    params = [torch.nn.Parameter(torch.randn(SHAPES[n], generator=g)) for n in names]
+    reference = torch.optim.AdamW(params, **recipe.hyper)
+    for p in params:  # one earlier step, so that the state is not the zeros of a fresh one
+        p.grad = torch.randn(p.shape, generator=g)
+    sched.apply(reference.param_groups, 0)
+    reference.step()
+    # Before step 5 of the run, two of whose steps were skipped: schedule position 3.
+    before = LossScaleState(2.0**10, iteration=5, last_overflow=2, hysteresis=1, skipped=2)
+    unscaled = [torch.randn(SHAPES[n], generator=g) for n in names]
+    scaled = [u * before.scale for u in unscaled]  # exact: a power of two
+    clip = 0.5
+    holding = StageState(
+        5,
+        {n: p.detach().clone() for n, p in zip(names, params, strict=True)},
+        {
+            n: {k: v.clone() for k, v in reference.state[p].items()}
+            for n, p in zip(names, params, strict=True)
+        },
+        {n: grad.clone() for n, grad in zip(names, scaled, strict=True)},
+        clip,
+        loss_scale=before,
+        grads_scale=before.scale,
+        skip=skip,
+    )
+    if not skip:
+        sched.apply(reference.param_groups, 3)
+        for p, grad in zip(params, scaled, strict=True):
+            p.grad = grad.clone().mul_(1.0 / before.scale).mul_(clip)
+        reference.step()
+
+    roll_forward_holdings(Holdings({1: holding}), 6, recipe)
+
+    rolled = holding
+    assert rolled.version == 6 and rolled.grads is None
+    for n, p in zip(names, params, strict=True):
+        assert torch.equal(rolled.params[n], p.detach()), n
+        for key in ("step", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(rolled.opt[n][key], reference.state[p][key]), (n, key)
+    # Written out (DeepSpeed's rule): an overflow halves the scale (hysteresis 1) and counts a
+    # skip; a clean step 2 steps after the overflow at a window of 4 keeps it.
+    if skip:
+        assert rolled.loss_scale == LossScaleState(2.0**9, 6, 5, 1, 3)
+    else:
+        assert rolled.loss_scale == LossScaleState(2.0**10, 6, 2, 1, 2)
+
+
 @pytest.mark.parametrize("shards", [1, 2, 3])
 def test_a_sharded_replica_ring_and_assembly_give_back_the_whole_stage(shards: int) -> None:
     """Each shard's holder receives the owner's pieces in one message of several stages
@@ -332,8 +397,8 @@ def test_a_sharded_replica_ring_and_assembly_give_back_the_whole_stage(shards: i
         received = stage_views(names, flat.clone())  # the wire: a buffer of its own
         for s in (0, 1):
             pieces = shard_pieces(numels(s), shard, shards)
-            params, opt = received[s]
-            got = StageState(VERSION, params, opt)
+            params, opt, scaler = received[s]
+            got = StageState(VERSION, params, opt, loss_scale=scaler)
             if shards == 1:
                 assert_same(got, own[s])
                 continue

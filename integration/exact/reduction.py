@@ -95,6 +95,7 @@ def exact_sum(
     local: bool = False,
     out: torch.Tensor | None = None,
     scale: float = 1.0,
+    finite_only: bool = True,
 ) -> torch.Tensor:
     """The sum over all logical workers of their gradients, in logical worker order.
 
@@ -108,7 +109,8 @@ def exact_sum(
     size to write the sum into (a caller's buffer kept across steps; fresh pages for every
     step's result cost more than the sum). ``scale``: the float32 sum multiplied by it
     (``1 / num_logical_workers`` for the mean), a chunk at a time while it is in cache: the
-    same bits as one multiplication of the whole sum.
+    same bits as one multiplication of the whole sum. ``finite_only`` False: a NaN or Inf
+    is returned, not refused (fp16, whose loss scaler skips such a step).
     """
     if not gradients:
         raise ValueError("a process must host at least one logical worker")
@@ -123,11 +125,15 @@ def exact_sum(
     if numel == 0:
         return torch.zeros(shape, dtype=dtype)
     if num_logical_workers == 1:
-        return _only_worker(gradients[0], out, scale).to(dtype).view(shape)
+        return _only_worker(gradients[0], out, scale, finite_only).to(dtype).view(shape)
     if dtype != torch.float32 and scale != 1.0:
         # Scaled after the conversion to ``dtype``, as the caller would.
         return exact_sum(
-            gradients, num_logical_workers=num_logical_workers, group=group, local=local
+            gradients,
+            num_logical_workers=num_logical_workers,
+            group=group,
+            local=local,
+            finite_only=finite_only,
         ).mul_(scale)
 
     ordered = sorted(gradients, key=lambda item: item[0])
@@ -145,7 +151,7 @@ def exact_sum(
         for start in range(0, numel, CHUNK):
             stop = min(start + CHUNK, numel)
             _fold([flat[start:stop] for flat in flats], result[start:stop], scale)
-    if not _finite(result):
+    if finite_only and not _finite(result):
         # Every process holds the same sum, so all of them are here: which sent a NaN or Inf.
         bad = torch.zeros(num_logical_workers, dtype=torch.int32)
         for (worker, _), flat in zip(ordered, flats, strict=True):
@@ -157,13 +163,13 @@ def exact_sum(
 
 
 def _only_worker(
-    gradient: tuple[int, torch.Tensor], out: torch.Tensor | None, scale: float
+    gradient: tuple[int, torch.Tensor], out: torch.Tensor | None, scale: float, finite_only: bool
 ) -> torch.Tensor:
     """The sum of one logical worker: its gradient, bit for bit, wherever it runs (there is
     no grouping for the sum to depend on). A NaN or Inf is refused as in the sum."""
     worker, g = gradient
     flat = g.detach().reshape(-1).to(torch.float32)
-    if not _finite(flat):
+    if finite_only and not _finite(flat):
         raise NonFiniteGradient([worker])
     result = flat.clone() if out is None else out.copy_(flat)
     if scale != 1.0:
@@ -333,11 +339,20 @@ class LogicalGradients:
     flattens into buckets too), in buffers kept across steps; the model itself exists once.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], num_logical_workers: int) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        num_logical_workers: int,
+        *,
+        finite_only: bool = True,
+    ) -> None:
+        """``finite_only`` False: a NaN or Inf sum is kept, not refused (fp16's overflow,
+        which its loss scaler handles)."""
         if num_logical_workers < 1:
             raise ValueError(f"num_logical_workers must be >= 1, got {num_logical_workers}")
         self.params = list(params)
         self.num_logical_workers = num_logical_workers
+        self.finite_only = finite_only
         self.kept: list[tuple[int, torch.Tensor]] = []
         self.numel = sum(p.numel() for p in self.params)
         self.dtype = self.params[0].dtype if self.params else torch.float32
@@ -441,6 +456,7 @@ class LogicalGradients:
                 local=local,
                 out=None if self._total is None else self._total[start:stop],
                 scale=1.0 / self.num_logical_workers,
+                finite_only=self.finite_only,
             )
         except BaseException:
             self.kept = []  # the step failed: none of its gradients is reduced again

@@ -26,8 +26,10 @@ from deepspeed.runtime.pipe.schedule import PipeInstruction
 from spotline.config_precision import precision_of
 from spotline.exact.reduction import LogicalGradients
 from spotline.pipeline.clipping import apply_clip, clip_coefficient, per_layer_sq_norms
+from spotline.pipeline.loss_scaling import LossScaler, has_overflow, job_overflow, unscale
 from spotline.pipeline.lr_schedule import StepSchedule
 from spotline.plan import pipe_instructions as pi
+from spotline.plan.loss_scale import NO_SCALING, LossScaleState, LossScaling
 from spotline.plan.lowering import lower_logical_step
 from spotline.plan.pipe_instructions import GradPart
 from spotline.plan.schedule import Schedule, num_pipe_buffers, train_schedule
@@ -70,6 +72,18 @@ assert set(_DEEPSPEED_CLASSES) == set(pi.DEEPSPEED_INSTRUCTIONS)
 # What DeepSpeed's ``_exec_schedule`` calls for an instruction: a function of the engine and
 # the instruction's kwargs (it binds the function to the engine itself, with MethodType).
 Handler = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class StepScale:
+    """The loss scaler before a step, and whether the job's overflow skipped the step."""
+
+    state: LossScaleState
+    skipped: bool
+
+    @property
+    def scale(self) -> float:
+        return self.state.scale
 
 
 class LoweredSchedule:
@@ -186,11 +200,27 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
     (``lower_logical_step``); the data-parallel reduction replaced by the exact one
     over logical workers (``spotline.exact.reduction``), the loss reduced over logical workers in
     their order, tied copies kept as separate parameters, and clipping by the global norm
-    over logical layers. None of it depends on how many processes run the job.
+    over logical layers; in fp16, the loss scale's overflow decision taken over the whole
+    job (``spotline.pipeline.loss_scaling``). None of it depends on how many processes run
+    the job.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    # DeepSpeedEngine's fp16 scaler under torch_autocast (set in its constructor).
+    torch_autocast_z0_gradscaler: Any
+
+    def __init__(self, *args: Any, loss_scaling: LossScaling = NO_SCALING, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # The scaler's state before the step in progress (moved in by a generation's load).
+        self.loss_scaler = LossScaler(loss_scaling)
+        if loss_scaling.enabled:
+            # DeepSpeed made a torch GradScaler for fp16 under torch_autocast, which would
+            # skip steps on each stage's own overflow: ours takes its place (a pinned seam,
+            # spotline.patches.deepspeed_seams).
+            assert self.torch_autocast_z0_gradscaler is not None, "fp16 runs under torch_autocast"
+            self.torch_autocast_z0_gradscaler = self.loss_scaler
+        self._update_prepared = False
+        # The scaler the last step ran with, and whether the job's overflow skipped it.
+        self.stepped_with = StepScale(self.loss_scaler.state, skipped=False)
         # This engine's own map, read by DeepSpeed's ``_exec_schedule`` (``self.``, so the
         # instance's shadows the class's): built here, from this class's handlers.
         self._INSTRUCTION_MAP = self.instruction_handlers()
@@ -251,7 +281,12 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
         self.num_logical_workers = num_logical_workers
         self.hosted_logical_workers = tuple(hosted)
         trainable = [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
-        self.logical_gradients = LogicalGradients([p for _, p in trainable], num_logical_workers)
+        # fp16: an overflowed sum is the loss scaler's to skip, not an error.
+        self.logical_gradients = LogicalGradients(
+            [p for _, p in trainable],
+            num_logical_workers,
+            finite_only=not self.loss_scaler.scaling.enabled,
+        )
         # Names and sizes of those parameters, in that order (the replica's messages too).
         sizes = self.gradient_sizes = [(n, p.numel()) for n, p in trainable]
         # ``untied_prefix`` of those same parameters (``LogicalGradients``' order), found with
@@ -447,9 +482,12 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
         self.rng_seed = seed
         self.rng_step = step
         self.rng_logical_worker = logical_worker
-        self.step_schedule.apply(self.optimizer.param_groups, step)
+        self.step_schedule.apply(
+            self.optimizer.param_groups, self.loss_scaler.state.schedule_position(step)
+        )
         self._num_forwards = 0
         self._num_backwards = 0
+        self._update_prepared = False
 
     # -- tied weights ---------------------------------------------------------------------
     def _index_tied_copies(self) -> None:
@@ -510,12 +548,38 @@ class SpotlinePipelineEngine(PipelineEngine):  # type: ignore[misc]  # DeepSpeed
                 held = params[pair.original] if pair.original in params else params[pair.copy]
                 dist.all_reduce(held.grad, group=self._tied_groups[pair.copy])
 
-    # -- gradient clipping ----------------------------------------------------------------
-    def clip_fp32_gradients(self) -> None:
-        """Clip by the global norm over logical layers (replaces DeepSpeed's stage-0-only norm).
+    # -- the update: loss scale, clipping -------------------------------------------------
+    def prepare_update(self) -> None:
+        """What the step's update needs from other ranks, once per step, before the commit:
+        in fp16 the job's overflow decision and the gradients unscaled (none touched when
+        the step is skipped), then clipping by the global norm."""
+        if self._update_prepared:
+            return
+        self._update_prepared = True
+        self.last_clip_coefficient = 1.0
+        scaler = self.loss_scaler
+        if scaler.scaling.enabled:
+            grads = [p.grad for p in self.module.parameters()]
+            group = self.grid.get_pipe_parallel_group() if self.num_stages > 1 else None
+            scaler.overflow = job_overflow(has_overflow(grads), group)
+            if not scaler.overflow:
+                unscale(grads, scaler.inverse)
+        if self.gradient_clipping() > 0 and not scaler.overflow:
+            self._clip_by_global_norm()
 
-        DeepSpeed calls this from ``_take_model_step`` when ``gradient_clipping > 0``, after
-        the tied and data-parallel reductions, so every pipeline computes the same value.
+    def clip_fp32_gradients(self) -> None:
+        """DeepSpeed calls this from ``_take_model_step`` when ``gradient_clipping > 0``:
+        done already, before the commit (:meth:`prepare_update`)."""
+        self.prepare_update()
+
+    def _exec_optimizer_step(self, lr_kwargs: Any = None) -> None:
+        self.prepare_update()
+        self.stepped_with = StepScale(self.loss_scaler.state, self.loss_scaler.overflow)
+        super()._exec_optimizer_step(lr_kwargs)
+
+    def _clip_by_global_norm(self) -> None:
+        """Clip by the global norm over logical layers (replaces DeepSpeed's stage-0-only norm),
+        after the tied and data-parallel reductions, so every pipeline computes the same value.
         """
         module = self.module
         values = per_layer_sq_norms(
@@ -549,16 +613,17 @@ def deepspeed_config_for(run_ds: dict[str, Any], *, num_physical_pipelines: int)
     ds = copy.deepcopy(run_ds)
     ds.pop("spotline", None)
     precision = precision_of(ds)
-    # DeepSpeed's bf16 section would wrap the optimizer in BF16_Optimizer (bf16 parameters,
-    # the fp32 master partitioned by the physical data-parallel group); Spotline keeps the
-    # fp32 parameters as the master and autocasts the compute instead.
-    for key in ("bf16", "bfloat16"):
+    # DeepSpeed's bf16 and fp16 sections would wrap the optimizer in BF16_Optimizer or
+    # FP16_Optimizer (half-precision parameters, the fp32 master partitioned by the physical
+    # data-parallel group); Spotline keeps the fp32 parameters as the master and autocasts
+    # the compute instead (fp16's scaler: SpotlinePipelineEngine's loss_scaling).
+    for key in ("bf16", "bfloat16", "fp16"):
         ds.pop(key, None)
-    if precision == "bf16":
+    if precision != "fp32":
         ds["torch_autocast"] = {
             **ds.get("torch_autocast", {}),
             "enabled": True,
-            "dtype": "bfloat16",
+            "dtype": "bfloat16" if precision == "bf16" else "float16",
         }
     ds["train_batch_size"] = (
         ds["train_micro_batch_size_per_gpu"]

@@ -66,6 +66,7 @@ from spotline.exact.reduction import LogicalGradients
 from spotline.pipeline.clipping import apply_clip
 from spotline.pipeline.engine import Batch, Handler, SpotlinePipelineEngine, replica_messages
 from spotline.pipeline.group_setup import wait_p2p
+from spotline.pipeline.loss_scaling import unscale
 from spotline.pipeline.memory import model_state_bytes
 from spotline.pipeline.replay_inputs import ReplayInputs, exchange_replay_inputs
 from spotline.pipeline.replica import (
@@ -203,7 +204,6 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         self.replica_applied_steps = 0
         self.own_ready = False
         self.replica_ready = False
-        self._clipped_this_step = False
         # Called with a phase name (spotline.plan.chaos.PHASES: "forward", ..., "optimizer"
         # as each instruction starts, "committed" once past the commit point): fault
         # injection and progress reporting hook in here.
@@ -231,7 +231,6 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
     def begin_step(self, *, seed: int, step: int, logical_worker: int) -> None:
         super().begin_step(seed=seed, step=step, logical_worker=logical_worker)
         self.stash = StepStash()
-        self._clipped_this_step = False
 
     def _exec_begin_logical_worker(self, index: int) -> None:
         super()._exec_begin_logical_worker(index)
@@ -275,25 +274,17 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         super()._exec_recv_grads(buffer_id)
 
     # -- the commit ---------------------------------------------------------------------------
-    def clip_fp32_gradients(self) -> None:
-        # Clipping runs once per step, before the commit barrier (see _exec_optimizer_step);
-        # DeepSpeed's own call inside the optimizer step then finds nothing to do.
-        if not self._clipped_this_step:
-            super().clip_fp32_gradients()
-            self._clipped_this_step = True
-
     def _exec_optimizer_step(self, lr_kwargs: Any = None) -> None:
         """Prepare, commit, apply: the optimizer step is the step's commit point.
 
         Every rank first finishes everything that needs communication (tied and data
-        parallel reductions, the replica gradient exchange, the clip norm), then passes a
-        global barrier. A rank that applies the step therefore knows every rank held its
+        parallel reductions, the replica gradient exchange, fp16's overflow decision, the clip
+        norm: ``prepare_update``), then passes a global barrier. A rank that applies the step therefore knows every rank held its
         final gradients, so after a failure the survivors can all apply the step (or, if
         no one passed the barrier, all redo it): no step is lost or applied twice.
         """
         self._phase("optimizer")
-        if self.gradient_clipping() > 0:
-            self.clip_fp32_gradients()
+        self.prepare_update()
         self.aggregate_loss_before_commit()
         self.own_ready = True
         self.replica_ready = self.replica is not None and self.replica.flat_grads is not None
@@ -310,7 +301,10 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         if self.replica is not None and self.replica.flat_grads is not None:
             # The owner's rate and coefficient of this step, for the ReplicaStep that
             # applies it (maybe in the next step, after both have moved on).
-            self.replica_pending = PendingReplicaStep(self.rng_step, self.last_clip_coefficient)
+            stepped = self.stepped_with
+            self.replica_pending = PendingReplicaStep(
+                self.rng_step, self.last_clip_coefficient, stepped.state, stepped.skipped
+            )
 
     def _peer(self, stage: int) -> int:
         return int(self.grid.stage_to_global(stage_id=stage % self.num_stages))
@@ -555,18 +549,24 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
             # The replay reads this step's stashes: only right after this step's commit.
             assert pending.step == self.rng_step
             received = self.replica.flat_grads
-            self.replay_successor()
+            self.replay_successor(pending.loss_scale.scale)
             replayed = torch.cat([_grad(p).reshape(-1) for p in self.replica.params])
             self.replay_matched_owner_grads = torch.equal(replayed, received)
         else:
             self.replica.set_grads_from_flat(self.replica.flat_grads)
-        if self.gradient_clipping() > 0:
-            # The owner's coefficient, applied with the same op to the same gradients.
-            apply_clip((p.grad for p in self.replica.params), pending.clip)
-        # The owner's rate for that step: not read from the owner's optimizer, whose
-        # scheduler has already moved on (ReplicaStep follows OptimizerStep).
-        self.step_schedule.apply(self.replica.optimizer.param_groups, pending.step)
-        self.replica.optimizer.step()
+        if not pending.skip:  # an fp16 step the job's overflow skipped: nothing to apply
+            # The owner's scale and coefficient, applied with the same ops to the same
+            # gradients.
+            unscale((p.grad for p in self.replica.params), 1.0 / pending.loss_scale.scale)
+            if self.gradient_clipping() > 0:
+                apply_clip((p.grad for p in self.replica.params), pending.clip)
+            # The owner's rate for that step: not read from the owner's optimizer, whose
+            # scheduler has already moved on (ReplicaStep follows OptimizerStep).
+            self.step_schedule.apply(
+                self.replica.optimizer.param_groups,
+                pending.loss_scale.schedule_position(pending.step),
+            )
+            self.replica.optimizer.step()
         self.replica.zero_grad()
         self.replica.flat_grads = None
         self.replica_applied_steps += 1
@@ -576,7 +576,7 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         self.replica_sync_s += time.perf_counter() - t0
 
     # -- failover replay (Bamboo's lazy backward redundant computation) -----------------
-    def replay_successor(self) -> None:
+    def replay_successor(self, loss_scale: float = 1.0) -> None:
         """Recompute the successor's gradients for this step from what this process holds.
 
         Inputs: the replica (parameters as of the previous step), the successor's inputs
@@ -597,8 +597,10 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
                 _, out = self._replica_forward(micro_batch)
             self._rng_micro_batch = micro_batch
             if replica.is_last:
-                # DeepSpeedEngine.backward: the loss divided by the micro-batch count.
-                (out / self.micro_batches).backward()
+                # DeepSpeedEngine.backward: the loss divided by the micro-batch count, then
+                # scaled by the step's loss scale (fp16; 1 otherwise).
+                loss = out / self.micro_batches
+                (loss * loss_scale if self.loss_scaler.scaling.enabled else loss).backward()
             else:
                 # torch leaves Tensor.backward unannotated
                 out.backward(gradient=self.replay_inputs.output_grads[micro_batch])  # type: ignore[no-untyped-call]
@@ -614,7 +616,9 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         if self.num_logical_workers == 1:
             # The owner's gradients went through the exact reduction (of its one logical
             # worker); the replayed ones take the same path, locally.
-            exact = LogicalGradients(replica.params, 1)
+            exact = LogicalGradients(
+                replica.params, 1, finite_only=not self.loss_scaler.scaling.enabled
+            )
             exact.keep(0)
             exact.reduce(local=True)
         self.replay_s += time.perf_counter() - t0

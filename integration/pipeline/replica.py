@@ -16,6 +16,7 @@ import torch
 from spotline.pipeline.engine import SpotlinePipelineEngine, replica_messages
 from spotline.pipeline.lr_schedule import constructor_hyper
 from spotline.pipeline.replica_transport import streams_untied
+from spotline.plan.loss_scale import LossScaleState
 from spotline.plan.shards import Piece, shard_pieces
 
 
@@ -55,11 +56,15 @@ def piece_of(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
 @dataclass(frozen=True)
 class PendingReplicaStep:
     """A committed update the replica has received and not yet applied: the optimizer step
-    ``step`` it is (its learning rate) and the owner's clip coefficient of that step (the
-    replica's gradients are the received ones, ``Replica.flat_grads``)."""
+    ``step`` it is, the owner's clip coefficient of that step, the loss scaler before it
+    (fp16: the scale its gradients carry, the learning rate's schedule position) and whether
+    the job's overflow skips it (the replica's gradients are the received ones,
+    ``Replica.flat_grads``)."""
 
     step: int
     clip: float
+    loss_scale: LossScaleState
+    skip: bool
 
 
 @dataclass

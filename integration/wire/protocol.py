@@ -42,8 +42,10 @@ Each worker writes
 
 Rank 0 of a generation writes
 
-- ``loss/<step>``, ``lr/<step>`` (:func:`loss_key`, :func:`lr_key`): the step's loss and
-  learning rate (``repr`` of a float); a redone step writes the same values again.
+- ``loss/<step>``, ``lr/<step>``, ``loss-scale/<step>`` (:func:`loss_key`, :func:`lr_key`,
+  :func:`loss_scale_key`): the step's loss, learning rate and loss scale (``repr`` of a
+  float), and ``skipped/<step>`` (:func:`skipped_key`, ``"1"``) where fp16's overflow skipped
+  the step; a redone step writes the same values again.
 - ``evaluation/<step>`` (:func:`eval_key`): the evaluation once ``step`` optimizer steps were
   applied (:class:`EvalResult` as JSON); written after the best model it may be is saved, so
   an evaluation seen here is complete. A replayed evaluation writes the same value again;
@@ -223,6 +225,14 @@ def loss_key(step: int) -> str:
 
 def lr_key(step: int) -> str:
     return f"lr/{step}"
+
+
+def loss_scale_key(step: int) -> str:
+    return f"loss-scale/{step}"
+
+
+def skipped_key(step: int) -> str:
+    return f"skipped/{step}"
 
 
 def eval_key(step: int) -> str:

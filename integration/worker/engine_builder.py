@@ -109,6 +109,7 @@ def build_worker_engine(
         replica_device=sl.redundancy.replica_device,
         replica=sl.redundancy.replica,
         logical_parts=logical,
+        loss_scaling=cfg.loss_scaling,
     )
     # build_engine returns DeepSpeed's (untyped) PipelineEngine; it built the class asked.
     assert isinstance(engine, RedundantPipelineEngine)

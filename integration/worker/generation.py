@@ -51,9 +51,11 @@ from spotline.wire.protocol import (
     WorkerStats,
     eval_key,
     loss_key,
+    loss_scale_key,
     lr_key,
     process_group_prefix,
     progress_key,
+    skipped_key,
     stop_key,
 )
 from spotline.wire.stores import AbortableStore
@@ -378,7 +380,11 @@ class GenerationHooks(StepHooks):
     def after_step(self, done: StepDone) -> None:
         if dist.get_rank() == 0:
             self.store.set(loss_key(done.step), repr(done.loss))
-            self.store.set(lr_key(done.step), repr(self.record.log.learning_rates[done.step]))
+            log = self.record.log
+            self.store.set(lr_key(done.step), repr(log.learning_rates[done.step]))
+            self.store.set(loss_scale_key(done.step), repr(log.loss_scales[done.step]))
+            if done.step in log.skipped_steps:
+                self.store.set(skipped_key(done.step), "1")
         self.record.step_ran(done)
         # Before the checkpoint of this boundary: a checkpoint's files imply that every
         # evaluation up to its step is in the store (the coordinator keeps them with it).

@@ -22,14 +22,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+from spotline.pipeline.loss_scaling import unscale
 from spotline.pipeline.lr_schedule import StepSchedule, constructor_hyper
 from spotline.pipeline.redundancy import RedundantPipelineEngine
 from spotline.pipeline.replica import piece_of, stage_of_name
+from spotline.plan import loss_scale
 from spotline.plan.layout import Holding
+from spotline.plan.loss_scale import LossScaleState, LossScaling
 from spotline.plan.shards import Piece
 
 OPT_KEYS = ("step", "exp_avg", "exp_avg_sq")
@@ -40,17 +43,25 @@ Names = list[tuple[str, torch.Size]]
 
 @dataclass
 class StageState:
-    """One logical stage's parameters and optimizer state, by global parameter name."""
+    """One logical stage's parameters and optimizer state, by global parameter name, and
+    the loss scaler before step ``version`` (fp16's; a constant otherwise): every holding
+    of a step has the same one."""
 
     version: int
     params: dict[str, torch.Tensor]
     opt: dict[str, dict[str, torch.Tensor]]
     grads: dict[str, torch.Tensor] | None = None  # final gradients of step `version`
+    # How ``grads`` become the update (the owner's recipe for that step): unscaled from
+    # ``grads_scale`` (1: they were already), clipped by ``clip``, or the step skipped
+    # (``skip``: fp16's overflow).
     clip: float = 1.0
     # The part held: shard ``shard`` of ``shards`` (a sharded replica: only that shard's
     # pieces, 1-D tensors by piece key, spotline.plan.shards); 0 of 1: the whole stage.
     shard: int = 0
     shards: int = 1
+    loss_scale: LossScaleState = field(kw_only=True)
+    grads_scale: float = field(default=1.0, kw_only=True)
+    skip: bool = field(default=False, kw_only=True)
 
     def names(self) -> Names:
         """Its tensors as :func:`pack` lists them."""
@@ -84,11 +95,14 @@ class OptimizerRecipe:
     optimizer_cls: type[torch.optim.Optimizer]
     hyper: dict[str, Any]
     schedule: StepSchedule
+    loss_scaling: LossScaling
 
     @classmethod
     def of(cls, engine: RedundantPipelineEngine) -> OptimizerRecipe:
         opt = engine.optimizer
-        return cls(type(opt), constructor_hyper(opt), engine.step_schedule)
+        return cls(
+            type(opt), constructor_hyper(opt), engine.step_schedule, engine.loss_scaler.scaling
+        )
 
 
 def opt_state(
@@ -136,7 +150,10 @@ def engine_stages(
     """The engine's own logical stages at its applied step (``clone`` False: its tensors)."""
     out: dict[int, StageState] = {}
     for name, p in engine.module.named_parameters():
-        st = out.setdefault(stage_of_name(name, logical), StageState(engine.applied_steps, {}, {}))
+        st = out.setdefault(
+            stage_of_name(name, logical),
+            StageState(engine.applied_steps, {}, {}, loss_scale=engine.loss_scaler.state),
+        )
         st.params[name] = p.detach()
         st.opt[name] = opt_state(engine.optimizer, p, clone=clone)
     return out
@@ -150,11 +167,22 @@ def extract_holdings(engine: RedundantPipelineEngine, logical: Sequence[int]) ->
     writes them, and the engine runs no step again. Gradients are copied: their buffers are
     the ones the next step's reduction and exchange would write into."""
     out = Holdings()
+    scaler = engine.loss_scaler
     for name, p in engine.module.named_parameters():
         stage = stage_of_name(name, logical)
-        # Own gradients are clipped in place before the commit barrier: clip 1.0 here.
+        # Own gradients are unscaled and clipped in place before the commit barrier: clip
+        # 1.0 and scale 1 here; the scaler is still the step's (it advances past the commit).
         st = out.stages.setdefault(
-            stage, StageState(engine.applied_steps, {}, {}, {} if engine.own_ready else None, 1.0)
+            stage,
+            StageState(
+                engine.applied_steps,
+                {},
+                {},
+                {} if engine.own_ready else None,
+                1.0,
+                loss_scale=scaler.state,
+                skip=engine.own_ready and scaler.overflow,
+            ),
         )
         st.params[name] = p.detach()
         st.opt[name] = opt_state(engine.optimizer, p, clone=False)
@@ -179,10 +207,13 @@ def extract_holdings(engine: RedundantPipelineEngine, logical: Sequence[int]) ->
             for stage in range(len(logical) - 1)
             if replica.start <= logical[stage] < replica.stop and stage not in own_stages
         ]
-        # The coefficient of the step the received gradients are of: a lazy replica's
-        # update waits for the next step's bubble, kept with its own coefficient.
+        # The recipe of the step the received gradients are of: a lazy replica's update
+        # waits for the next step's bubble, kept with its own coefficient and scale.
         pending = engine.replica_pending
-        clip = engine.last_clip_coefficient if pending is None else pending.clip
+        if pending is None:
+            clip, state, skip = engine.last_clip_coefficient, scaler.state, scaler.overflow
+        else:
+            clip, state, skip = pending.clip, pending.loss_scale, pending.skip
         for stage in replica_stages:
             out.stages[stage] = StageState(
                 engine.replica_applied_steps,
@@ -192,6 +223,10 @@ def extract_holdings(engine: RedundantPipelineEngine, logical: Sequence[int]) ->
                 clip,
                 replica.shard,
                 replica.shards,
+                loss_scale=state,
+                # The received gradients are the owner's reduced ones, still scaled.
+                grads_scale=state.scale,
+                skip=grads is not None and skip,
             )
         for name, p in replica.named_params:
             stage = stage_of_name(name, logical)
@@ -206,23 +241,28 @@ def extract_holdings(engine: RedundantPipelineEngine, logical: Sequence[int]) ->
 
 
 def roll_forward(st: StageState, recipe: OptimizerRecipe) -> None:
-    """Apply the committed step this stage holds final gradients for (no communication)."""
+    """Apply the committed step this stage holds final gradients for (no communication):
+    the owner's ops in its order (unscale, clip, step), or nothing where fp16's overflow
+    skipped it; the loss scaler advances either way."""
     assert st.grads is not None
-    names = sorted(st.params)
-    params = [torch.nn.Parameter(st.params[n].clone()) for n in names]
-    optimizer = recipe.optimizer_cls(params, **recipe.hyper)
-    # The step being applied is step ``st.version`` (0-based): its rate, whatever any
-    # scheduler object did since.
-    recipe.schedule.apply(optimizer.param_groups, st.version)
-    for n, p in zip(names, params, strict=True):
-        optimizer.state[p] = {k: v.clone() for k, v in st.opt[n].items()}
-        p.grad = st.grads[n].clone()
-        if st.clip < 1.0:
-            p.grad.mul_(st.clip)
-    optimizer.step()
-    for n, p in zip(names, params, strict=True):
-        st.params[n] = p.detach().clone()
-        st.opt[n] = {k: optimizer.state[p][k].detach().clone() for k in OPT_KEYS}
+    if not st.skip:
+        names = sorted(st.params)
+        params = [torch.nn.Parameter(st.params[n].clone()) for n in names]
+        optimizer = recipe.optimizer_cls(params, **recipe.hyper)
+        # The step being applied is step ``st.version`` (0-based): its rate, whatever any
+        # scheduler object did since.
+        recipe.schedule.apply(optimizer.param_groups, st.loss_scale.schedule_position(st.version))
+        for n, p in zip(names, params, strict=True):
+            optimizer.state[p] = {k: v.clone() for k, v in st.opt[n].items()}
+            p.grad = st.grads[n].clone()
+            unscale([p.grad], 1.0 / st.grads_scale)
+            if st.clip < 1.0:
+                p.grad.mul_(st.clip)
+        optimizer.step()
+        for n, p in zip(names, params, strict=True):
+            st.params[n] = p.detach().clone()
+            st.opt[n] = {k: optimizer.state[p][k].detach().clone() for k in OPT_KEYS}
+    st.loss_scale = recipe.loss_scaling.after(st.loss_scale, st.skip)
     st.version += 1
     st.grads = None
 
@@ -243,24 +283,31 @@ def roll_forward_holdings(holdings: Holdings, resume: int, recipe: OptimizerReci
 
 def packed_numel(st_names: Names) -> int:
     """The elements :func:`pack` writes for a stage of ``st_names``."""
-    return sum(3 * int(torch.Size(s).numel()) + 1 for _, s in st_names)
+    return sum(3 * int(torch.Size(s).numel()) + 1 for _, s in st_names) + loss_scale.FLOATS
 
 
 def pack(st_names: Names, st: StageState, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A stage's parameters and optimizer state as one flat float32 tensor (into ``out``,
-    of ``packed_numel`` elements, when given: one copy, not one more of a concatenation)."""
+    """A stage's parameters, optimizer state and loss scaler as one flat float32 tensor
+    (into ``out``, of ``packed_numel`` elements, when given: one copy, not one more of a
+    concatenation)."""
     parts = [st.params[n].reshape(-1) for n, _ in st_names]
     for key in ("exp_avg", "exp_avg_sq"):
         parts += [st.opt[n][key].reshape(-1) for n, _ in st_names]
     parts += [st.opt[n]["step"].reshape(1).to(torch.float32) for n, _ in st_names]
+    parts.append(torch.tensor(st.loss_scale.to_floats(), dtype=torch.float32))
     return torch.cat(parts) if out is None else torch.cat(parts, out=out)
 
 
-def packed_views(
-    st_names: Names, flat: torch.Tensor
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """The parameters and optimizer state :func:`pack` wrote into ``flat``, as views of it
-    (the caller copies what it keeps)."""
+class PackedViews(NamedTuple):
+    """What :func:`pack` wrote, as views of the flat tensor (the caller copies what it keeps)."""
+
+    params: dict[str, torch.Tensor]
+    opt: dict[str, dict[str, torch.Tensor]]
+    loss_scale: LossScaleState
+
+
+def packed_views(st_names: Names, flat: torch.Tensor) -> PackedViews:
+    """The parameters, optimizer state and loss scaler :func:`pack` wrote into ``flat``."""
     params: dict[str, torch.Tensor] = {}
     opt: dict[str, dict[str, torch.Tensor]] = {}
     offset = 0
@@ -275,17 +322,29 @@ def packed_views(
     for n, _, _ in sizes:
         opt[n]["step"] = flat[offset]
         offset += 1
+    scale = LossScaleState.from_floats(flat[offset : offset + loss_scale.FLOATS].tolist())
+    offset += loss_scale.FLOATS
     assert offset == flat.numel()
-    return params, opt
+    return PackedViews(params, opt, scale)
 
 
 def unpack(st_names: Names, flat: torch.Tensor, version: int) -> StageState:
     """A stage :func:`pack` wrote, every tensor its own copy (a holding owns its tensors)."""
-    params, opt = packed_views(st_names, flat)
+    views = packed_views(st_names, flat)
+    return views_state(views, version, clone=True)
+
+
+def views_state(views: PackedViews, version: int, *, clone: bool = False) -> StageState:
+    """The stage of ``views`` at step ``version`` (its tensors copies where ``clone``)."""
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if clone else t
+
     return StageState(
         version,
-        {n: t.clone() for n, t in params.items()},
-        {n: {k: t.clone() for k, t in state.items()} for n, state in opt.items()},
+        {n: own(t) for n, t in views.params.items()},
+        {n: {k: own(t) for k, t in state.items()} for n, state in views.opt.items()},
+        loss_scale=views.loss_scale,
     )
 
 
@@ -299,6 +358,7 @@ def piece_state(st: StageState, pieces: Sequence[Piece]) -> StageState:
             x.key: {k: v if k == "step" else piece_of(v, x) for k, v in st.opt[x.name].items()}
             for x in pieces
         },
+        loss_scale=st.loss_scale,
     )
 
 
@@ -314,6 +374,8 @@ def assemble(
     and the stage of them, :func:`piece_state`): each tensor its pieces concatenated in
     start order, its own copy."""
     by_name: dict[str, list[tuple[Piece, StageState]]] = {}
+    scales = {st.loss_scale for _, st in parts}
+    assert len(scales) == 1, scales  # one step's shards: one scaler
     for pieces, st in parts:
         assert st.version == version and sorted(st.params) == sorted(x.key for x in pieces)
         for x in pieces:
@@ -323,7 +385,7 @@ def assemble(
     any_step = next(
         (st.opt[x.key]["step"] for pieces, st in parts for x in pieces), torch.zeros(())
     )
-    whole = StageState(version, {}, {})
+    whole = StageState(version, {}, {}, loss_scale=scales.pop())
     for name, shape in st_names:
         got = sorted(by_name.get(name, []), key=lambda item: item[0].start)
         # Every element exactly once: the pieces tile [0, numel) end to end.

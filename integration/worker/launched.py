@@ -323,6 +323,8 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "steps": sl.training.steps,
             "losses": losses,
             "learning_rates": list(log.learning_rates.values()),
+            "loss_scales": list(log.loss_scales.values()),
+            "skipped_steps": sorted(log.skipped_steps),
             "final_loss": losses[-1],
             "samples_per_s": samples / end.wall_s,
             "wall_s": end.wall_s,

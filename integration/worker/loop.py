@@ -101,6 +101,9 @@ class EngineLog(StepLog):
     replica checks (``redundancy.verify_replicas``)."""
 
     learning_rates: dict[int, float] = field(default_factory=dict)
+    # fp16: each step's loss scale, and the steps the job's overflow skipped.
+    loss_scales: dict[int, float] = field(default_factory=dict)
+    skipped_steps: set[int] = field(default_factory=set)
     replica_checks: int = 0
     replica_mismatches: list[ReplicaMismatch] = field(default_factory=list)
 
@@ -112,7 +115,12 @@ class _RecordEngineStep(StepHooks):
 
     def after_step(self, done: StepDone) -> None:
         self.log.after_step(done)
-        self.log.learning_rates[done.step] = float(self.engine.step_schedule.at(done.step)["lr"])
+        stepped = self.engine.stepped_with
+        position = stepped.state.schedule_position(done.step)
+        self.log.learning_rates[done.step] = float(self.engine.step_schedule.at(position)["lr"])
+        self.log.loss_scales[done.step] = stepped.scale
+        if stepped.skipped:
+            self.log.skipped_steps.add(done.step)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from spotline.wire.protocol import PlanMessage
 from spotline.worker.holdings import (
     Holdings,
     Names,
+    PackedViews,
     StageState,
     assemble,
     engine_stages,
@@ -49,6 +50,7 @@ from spotline.worker.holdings import (
     piece_state,
     set_opt_state,
     unpack,
+    views_state,
 )
 
 
@@ -147,9 +149,7 @@ def pack_stages(payload: Mapping[int, tuple[Names, StageState]]) -> torch.Tensor
     return flat
 
 
-def stage_views(
-    names: Mapping[int, Names], flat: torch.Tensor
-) -> dict[int, tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]]:
+def stage_views(names: Mapping[int, Names], flat: torch.Tensor) -> dict[int, PackedViews]:
     """The stages :func:`pack_stages` wrote into ``flat`` (``names``: each one's tensors),
     as views of it (``holdings.packed_views``)."""
     out = {}
@@ -190,7 +190,7 @@ class StageExchange:
             for pieces, got in parts:
                 if isinstance(got, torch.Tensor):
                     # Views of the buffer: assembling copies each tensor once.
-                    got = StageState(version, *packed_views(piece_names(pieces), got))
+                    got = views_state(packed_views(piece_names(pieces), got), version)
                 shards.append((pieces, got))
             out[stage] = assemble(own_names[stage], shards, version)
         return out
@@ -264,8 +264,10 @@ def load_generation_state(
     engine.applied_steps = resume
     engine.global_steps = resume
     # DeepSpeed's scheduler object starts at zero in every new engine: move it to the
-    # committed step (the rate each update uses comes from engine.step_schedule anyway).
-    engine.step_schedule.position(engine.lr_scheduler, resume)
+    # committed step's position (the rate each update uses comes from engine.step_schedule
+    # anyway).
+    position = engine.loss_scaler.state.schedule_position(resume)
+    engine.step_schedule.position(engine.lr_scheduler, position)
     if engine.replica is not None:
         nbytes += load_replica(engine, logical, resume, transport)
     return nbytes
@@ -280,6 +282,10 @@ def load_own_stages(
     dropped once the state is loaded; a generation that fails before its first step
     leaves them unchanged."""
     params = dict(engine.module.named_parameters())
+    # Every holding of the committed step has the same scaler (one decision for the job).
+    scales = {holdings.stages[stage].loss_scale for stage in own_names}
+    assert len(scales) == 1, scales
+    engine.loss_scaler.state = scales.pop()
     for stage, names in own_names.items():
         st = holdings.stages[stage]
         for name, _ in names:
@@ -304,7 +310,8 @@ def load_replica(
     succ = engine._peer(engine.stage_id + 1)
     transport([PeerOp(True, flat_out, pred), PeerOp(False, flat_in, succ)])
     rparams = dict(replica.named_params)
-    for stage, (got_params, got_opt) in stage_views(rep_names, flat_in).items():
+    for stage, (got_params, got_opt, got_scale) in stage_views(rep_names, flat_in).items():
+        assert got_scale == engine.loss_scaler.state, (stage, got_scale)
         # Copied straight out of the received buffer (once, into tensors of their own).
         for name, _ in rep_names[stage]:
             with torch.no_grad():

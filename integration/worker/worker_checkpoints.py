@@ -18,6 +18,7 @@ from typing import Any
 
 from spotline.checkpointing.checkpoint import CheckpointWriter, load_all
 from spotline.pipeline.redundancy import RedundantPipelineEngine
+from spotline.plan.loss_scale import NO_SCALING, LossScaleState
 from spotline.wire.auth import AuthStore
 from spotline.wire.protocol import (
     CHECKPOINT_ERRORS_COUNTER,
@@ -27,8 +28,9 @@ from spotline.wire.protocol import (
 )
 from spotline.worker.holdings import Holdings, StageState, engine_stages
 
-# A stage file's keys besides its tensors: its step, and what a restore must agree with.
-_META = ("version", "logical_workers", "seed")
+# A stage file's keys besides its tensors: its step, the loss scaler before it, and what a
+# restore must agree with.
+_META = ("version", "loss_scale", "logical_workers", "seed")
 
 
 def stage_payload(st: StageState, *, logical_workers: int, seed: int) -> dict[str, Any]:
@@ -37,6 +39,7 @@ def stage_payload(st: StageState, *, logical_workers: int, seed: int) -> dict[st
     # its dropout seeds) is a function of (seed, step, logical worker).
     payload: dict[str, Any] = {
         "version": st.version,
+        "loss_scale": list(st.loss_scale.to_floats()),
         "logical_workers": logical_workers,
         "seed": seed,
     }
@@ -58,7 +61,14 @@ def stage_of_payload(
                 f"checkpoint {label} of step {step} was written with {key} "
                 f"{payload[key]}, this run has {expected}: it is another job's"
             )
-    st = StageState(int(payload["version"]), {}, {})
+    # A file without a scaler is an fp32 or bf16 run's from before fp16: no scaling.
+    scale = payload.get("loss_scale")
+    st = StageState(
+        int(payload["version"]),
+        {},
+        {},
+        loss_scale=NO_SCALING.initial() if scale is None else LossScaleState.from_floats(scale),
+    )
     for key, value in payload.items():
         if key in _META:
             continue

@@ -129,10 +129,7 @@ class CheckpointCommits:
             self.metrics.collect_step_values(step)
             metadata: dict[str, Any] = {
                 name: {str(s): values[s] for s in range(step) if s in values}
-                for name, values in (
-                    ("losses", self.metrics.losses),
-                    ("learning_rates", self.metrics.learning_rates),
-                )
+                for name, (_, values) in self.metrics.step_series().items()
             }
             if self.cfg.spotline.evaluation.enabled:
                 # Rank 0 reports the evaluation of a boundary before its checkpoint file too.

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from spotline.config import RunConfig, parse_config
+from spotline.config_precision import host_precision_refusal
 from spotline.errors import UserError
 
 USER_ERROR_EXIT = 2
@@ -123,6 +124,22 @@ def check_inputs(cfg: RunConfig) -> CheckedInputs:
     return start_check(cfg).result()
 
 
+def check_host_precision(cfg: RunConfig) -> None:
+    """Refuse a precision this machine's accelerator does not have (DeepSpeed's answer)."""
+    if cfg.precision == "fp32":
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    refusal = host_precision_refusal(
+        cfg.precision,
+        fp16_supported=bool(accelerator.is_fp16_supported()),
+        bf16_supported=bool(accelerator.is_bf16_supported()),
+    )
+    if refusal is not None:
+        raise UserError(refusal)
+
+
 def main() -> int:
     """The child: read the config from stdin, resolve the model and corpus."""
     # Here, not at the top: the coordinator's process imports this module for check_inputs.
@@ -132,6 +149,7 @@ def main() -> int:
 
     cfg = parse_config(json.loads(sys.stdin.read()), source=sys.argv[1])
     try:
+        check_host_precision(cfg)
         inputs = prepare_inputs(cfg)
         memory = estimate_run(cfg, inputs.hf_config)
         limit = cfg.spotline.topology.memory_per_slot_gb

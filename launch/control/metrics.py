@@ -45,7 +45,9 @@ from spotline.wire.protocol import (
     WorkerStats,
     eval_key,
     loss_key,
+    loss_scale_key,
     lr_key,
+    skipped_key,
 )
 
 # The heavy modules a process may hold, listed in summary.json as those the coordinator's
@@ -147,6 +149,8 @@ class RunMetrics:
         self.exposed_generations = 0
         self.losses: dict[int, float] = {}
         self.learning_rates: dict[int, float] = {}
+        self.loss_scales: dict[int, float] = {}
+        self.skipped: dict[int, float] = {}  # fp16's skipped steps (1.0 each)
         self.step_times: dict[int, float] = {}
         self.step_ends: dict[int, float] = {}
         # Every evaluation reported (rank 0 writes evaluation/<step>), each taken once by step: a
@@ -296,14 +300,27 @@ class RunMetrics:
         self.peaks[w] = max(self.peaks.get(w, 0.0), report.peak_rss_mib)
         self.worker_stats[w] = report.stats
 
+    def step_series(self) -> dict[str, tuple[Callable[[int], str], dict[int, float]]]:
+        """Each step's values rank 0 writes, by their name in a checkpoint's metadata: the
+        store key of a step's value, and the values read so far by step."""
+        return {
+            "losses": (loss_key, self.losses),
+            "learning_rates": (lr_key, self.learning_rates),
+            "loss_scales": (loss_scale_key, self.loss_scales),
+            "skipped_steps": (skipped_key, self.skipped),
+        }
+
     def collect_step_values(self, steps: int, *, refresh: bool = False) -> None:
-        """Read the loss and learning rate of steps ``0..steps-1`` from the store.
+        """Read the loss, learning rate and loss scale of steps ``0..steps-1`` (and whether
+        fp16 skipped them) from the store.
 
         Rank 0 of each generation writes them as it goes (a worker killed later cannot take
         them along); a redone step writes the same values again. Without ``refresh`` a
         step already read is not read again."""
+        series = self.step_series().values()
         for s in range(steps):
-            for key, values in ((loss_key(s), self.losses), (lr_key(s), self.learning_rates)):
+            for key_of, values in series:
+                key = key_of(s)
                 if (refresh or s not in values) and self.store.check([key]):
                     values[s] = float(self.store.get(key).decode())
 
@@ -397,7 +414,7 @@ class RunMetrics:
     ) -> dict[str, Any]:
         """The run's ``summary.json`` (also writes ``timeline.csv`` and ``timeline.png``)."""
         cfg, sl = self.cfg, self.cfg.spotline
-        losses, learning_rates = self._final_values()
+        losses, learning_rates, loss_scales = self._final_values()
         steps = sl.training.steps
         param_hash = (
             self.store.get(FINAL_HASH_KEY).decode() if self.store.check([FINAL_HASH_KEY]) else None
@@ -417,6 +434,10 @@ class RunMetrics:
             "steps": steps,
             "losses": losses,
             "learning_rates": learning_rates,
+            # fp16's loss scale of each step and the steps its overflow skipped (a scale of
+            # 1 and none in fp32 and bf16).
+            "loss_scales": loss_scales,
+            "skipped_steps": sorted(self.skipped),
             "final_loss": losses[-1],
             # Committed samples per second of training (first step to last, recoveries
             # included): the goodput. wall_s also counts process start-up.
@@ -502,13 +523,14 @@ class RunMetrics:
             **eval_fields(self.evaluations),
         }
 
-    def _final_values(self) -> tuple[list[float | None], list[float | None]]:
+    def _final_values(self) -> tuple[list[float | None], ...]:
+        """Each step's loss, learning rate and loss scale."""
         steps = self.cfg.spotline.training.steps
         self.collect_step_values(steps, refresh=True)
         # A step committed while its loss was being aggregated has no reported loss (None).
-        return (
-            [self.losses.get(s) for s in range(steps)],
-            [self.learning_rates.get(s) for s in range(steps)],
+        return tuple(
+            [values.get(s) for s in range(steps)]
+            for values in (self.losses, self.learning_rates, self.loss_scales)
         )
 
     def write_timeline(self, output: Path) -> None:

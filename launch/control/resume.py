@@ -20,10 +20,9 @@ def carry_over(metrics: RunMetrics, store: Store, root: Path, output: Path, step
     """Into ``metrics`` (and ``store``), what the resumed run had at checkpoint ``step``
     (under ``root``, the checkpoints of the run in ``output``)."""
     metadata = read_metadata(root, step)
-    for at, loss in metadata.get("losses", {}).items():
-        metrics.losses[int(at)] = loss
-    for at, lr in metadata.get("learning_rates", {}).items():
-        metrics.learning_rates[int(at)] = lr
+    for name, (_, values) in metrics.step_series().items():
+        for at, value in metadata.get(name, {}).items():
+            values[int(at)] = value
     for raw in metadata.get(EVALUATIONS, {}).values():
         # The stopped run's evaluations: in the summary, and in the store, where rank 0
         # reads the earlier ones to tell whether a new one is the best.
