@@ -8,7 +8,7 @@ logical topology (4 logical workers of 2 stages, lazy redundancy): a SIGKILL mid
 taken over from memory, a rescale of 4 -> 2 -> 4 processes, a fatal loss restored from a
 checkpoint, and the four logical workers on 4, 2 and 1 processes of one stage. Elsewhere:
 eager's replica forward under autocast (test_redundancy.py's replay), a Ctrl-C continued by
-``--resume`` (test_resume_and_disk.py, in bf16) and the pure parts (the config's precision,
+``--resume`` (test_resume_and_disk.py, in fp16) and the pure parts (the config's precision,
 autocast in the recomputation: test_config.py, test_models.py).
 
 fp16 (``"fp16": {"enabled": true}``: the same fp32 master, fp16 autocast, DeepSpeed's

@@ -134,9 +134,12 @@ SCHEDULER = {
     "params": {"warmup_max_lr": 0.004, "warmup_num_steps": 4, "total_num_steps": STEPS},
 }
 CONFIG["scheduler"] = SCHEDULER
-# In bf16 (fp32 master weights, autocast compute): a resume restores the master weights and
-# continues with the same compute (fp32's checkpoint restores are the fallback tests').
-CONFIG["bf16"] = {"enabled": True}
+# In fp16 (fp32 master weights, autocast compute, a loss scale that overflows at once and
+# grows back every 2 clean steps): a resume restores the master weights and the loss
+# scaler's state, and continues with the same compute (fp32's and bf16's checkpoint restores
+# are the fallback tests').
+FP16 = {"enabled": True, "initial_scale_power": 18, "loss_scale_window": 2}
+CONFIG["fp16"] = FP16
 # The interrupted runs: worker w0 sleeps after its share of each step (the math is the
 # same), so that a Ctrl-C sent once the first checkpoint is committed lands mid-run.
 SLOW = small_config(
@@ -146,7 +149,7 @@ SLOW = small_config(
     elasticity={"slow_worker": 0, "slow_factor": 4.0},
 )
 SLOW["scheduler"] = SCHEDULER
-SLOW["bf16"] = {"enabled": True}
+SLOW["fp16"] = FP16
 # A kill before the stop (worker 1, in the first step, before the first checkpoint): the
 # resumed run's record must still count it.
 SLOW_KILLED = {
@@ -278,6 +281,10 @@ def test_ctrl_c_stops_at_a_checkpoint_and_resume_ends_with_the_uninterrupted_has
     assert summary["losses"] == baseline["losses"]
     assert summary["learning_rates"] == baseline["learning_rates"]
     assert len(set(baseline["learning_rates"])) > 4  # the schedule moved the rate
+    assert summary["loss_scales"] == baseline["loss_scales"]
+    assert summary["skipped_steps"] == baseline["skipped_steps"]
+    # Steps skipped on both sides of the stop: the scaler's state crossed it.
+    assert min(baseline["skipped_steps"]) < step < max(baseline["skipped_steps"])
     assert summary["checkpoint_write_errors"] == []
     # One wandb run, continued by the resume from the step the stop had logged up to.
     resumed_run = json.loads((out / "wandb-run.json").read_text())
