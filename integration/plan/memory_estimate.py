@@ -16,7 +16,8 @@ A worker of logical stage ``s`` holds (fp32 master weights whatever the compute 
   flight on stage ``s``, each block's saved tensors ``s b h (34 + 5 a s / h)`` bytes in 16
   bits (Korthikanti et al., 2022) or twice that in fp32, only the block inputs with
   activation checkpointing (plus one block's during its recomputation), and the last
-  stage's logits; bf16 autocast also caches a bf16 copy of each weight during a forward.
+  stage's logits; half-precision autocast (bf16 or fp16) also caches a 16-bit copy of each
+  weight during a forward.
 
 The model-state fields are the ones the workers count from their tensors
 (``spotline.pipeline.memory.model_state_bytes``, ``summary.json``'s
@@ -65,7 +66,7 @@ class MemoryPlan:
 
     redundancy: bool
     replica_pieces: int  # 1: full replicas; k: each holder keeps 1/k of its successor's
-    bf16: bool
+    half_precision: bool  # bf16 or fp16 autocast (the master weights are fp32 either way)
     activation_checkpoint_interval: int
     hosted_logical_workers: int  # the most logical workers one pipeline runs
 
@@ -104,7 +105,7 @@ def _activation_bytes(shape: ModelShape, plan: MemoryPlan, stage: int) -> int:
     num_stages = len(shape.stage_parameters)
     in_flight = min(shape.num_micro_batches, num_stages - stage)
     s, b, h, a = shape.seq_len, shape.micro_batch_size, shape.hidden_size, shape.num_heads
-    per_block = s * b * h * (34 + 5 * a * s // h) * (1 if plan.bf16 else 2)
+    per_block = s * b * h * (34 + 5 * a * s // h) * (1 if plan.half_precision else 2)
     blocks = shape.stage_blocks[stage]
     if plan.activation_checkpoint_interval > 0 and blocks:
         # Each checkpointed range keeps its input (fp32 residual stream); one range is
@@ -115,10 +116,11 @@ def _activation_bytes(shape: ModelShape, plan: MemoryPlan, stage: int) -> int:
     else:
         kept = in_flight * blocks * per_block
     if stage == num_stages - 1:
-        # Logits (bf16 under autocast, then fp32 for the loss) and their gradient.
-        kept += in_flight * s * b * shape.vocab_size * ((2 if plan.bf16 else 0) + 2 * _FP32)
-    if plan.bf16:
-        kept += 2 * shape.stage_parameters[stage]  # autocast's bf16 copies of the weights
+        # Logits (16-bit under autocast, then fp32 for the loss) and their gradient.
+        half = 2 if plan.half_precision else 0
+        kept += in_flight * s * b * shape.vocab_size * (half + 2 * _FP32)
+    if plan.half_precision:
+        kept += 2 * shape.stage_parameters[stage]  # autocast's 16-bit copies of the weights
     return kept
 
 

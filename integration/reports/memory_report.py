@@ -41,7 +41,7 @@ def memory_plan(cfg: RunConfig) -> MemoryPlan:
     return MemoryPlan(
         redundancy=redundancy.on,
         replica_pieces=pipelines if redundancy.replica == "sharded" else 1,
-        bf16=cfg.precision == "bf16",
+        half_precision=cfg.precision != "fp32",
         activation_checkpoint_interval=cfg.activation_checkpoint_interval,
         hosted_logical_workers=-(-cfg.num_logical_workers // pipelines),
     )
