@@ -207,11 +207,21 @@ def prepare_exchange(
     buffer for each stage or shard it receives (``own_names``: its stages' tensors, as its
     engine has them; a member knows each shard's pieces from them, ``shard_pieces``)."""
     ex = StageExchange()
+    # A holding sent to several members is packed once (gloo sends read the one buffer): a
+    # stage and its replica packed for each of two newcomers took a worker to 10.2 GB at
+    # GPT-2 small size, and the OOM killer took it (BENCHMARKS.md).
+    packed: dict[int, torch.Tensor] = {}
+
+    def packed_holding(stage: int) -> torch.Tensor:
+        if stage not in packed:
+            st = holdings.stages[stage]
+            packed[stage] = pack(st.names(), st)
+        return packed[stage]
+
     for t in transfers:
         if t.shard is None:
             if t.source == me:
-                st = holdings.stages[t.stage]
-                ex.ops.append(PeerOp(True, pack(st.names(), st), rank_of(t.target)))
+                ex.ops.append(PeerOp(True, packed_holding(t.stage), rank_of(t.target)))
             if t.target == me:
                 buf = torch.empty(packed_numel(own_names[t.stage]))
                 ex.ops.append(PeerOp(False, buf, rank_of(t.source)))
@@ -220,9 +230,8 @@ def prepare_exchange(
         if t.source == me and t.target != me:
             st = holdings.stages[t.stage]
             assert (st.shard, st.shards) == t.shard, (t, st.shard, st.shards)
-            names = st.names()
-            if names:  # a stage with fewer elements than shards leaves some empty
-                ex.ops.append(PeerOp(True, pack(names, st), rank_of(t.target)))
+            if st.names():  # a stage with fewer elements than shards leaves some empty
+                ex.ops.append(PeerOp(True, packed_holding(t.stage), rank_of(t.target)))
         if t.target == me:
             numels = sorted((n, int(shape.numel())) for n, shape in own_names[t.stage])
             pieces = shard_pieces(numels, *t.shard)
