@@ -17,9 +17,22 @@ if TYPE_CHECKING:
     from spotline.sim.sim_config import SimConfig
 
 # The cluster-of-namespaces fixture (tests/netns.py), for every test module.
+from components import missing
 from netns import netns_cluster  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def require_etcd() -> None:
+    """Debian's etcd-server, which the etcd store's tests start (tests/components.py)."""
+    import shutil
+
+    from spotline.wire.stores import ETCD_BINARY
+
+    if shutil.which(ETCD_BINARY) is None:
+        missing("etcd", f"{ETCD_BINARY} is absent: apt-get install -y etcd-server")
+
 
 # A tiny GPT-2 with dropout off: the computation a single-process transformers model can
 # reproduce exactly.

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 
 import pytest
+from components import missing
 
 from spotline.launch.bench.netns import (  # noqa: F401  (re-exported for the tests)
     IFACE,
@@ -35,7 +36,7 @@ def cluster(n: int) -> Iterator[list[Machine]]:
         try:
             machines = stack.enter_context(_cluster(n))
         except NetnsUnavailable as exc:
-            pytest.skip(str(exc))
+            missing("netns", str(exc))
         yield machines
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from components import missing
 from conftest import REPO, child_env, read_summary, small_config, write_config
 from netns import Machine
 
@@ -314,7 +315,7 @@ def _etcd(host: Machine, data: Path) -> str:
     """A one-member etcd on ``host`` (its own machine, as a user's would be); its endpoint."""
     etcd = shutil.which(ETCD_BINARY)
     if etcd is None:
-        pytest.skip(f"{ETCD_BINARY} is absent: apt-get install -y etcd-server")
+        missing("etcd", f"{ETCD_BINARY} is absent: apt-get install -y etcd-server")
     client = f"http://{host.address}:2379"
     peer = "http://127.0.0.1:2380"  # its own loopback: nobody else's
     host.popen(

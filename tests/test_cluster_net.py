@@ -15,6 +15,7 @@ from typing import Any
 
 import netns
 import pytest
+from components import ALLOW_ENV, missing
 from conftest import REPO, child_env
 
 # netns_cluster is a fixture: importing it makes it available to this module's tests.
@@ -47,7 +48,7 @@ def test_a_sigterm_to_the_owner_still_removes_everything_it_made(tmp_path: Path)
     # A bench killed with SIGTERM (a `kill`, a CI's stop) once left its machines and their
     # processes running: the teardown ran only on an exception or Ctrl-C.
     if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces: needs root and `ip`")
+        missing("netns", "network namespaces: needs root and `ip`")
     ready = tmp_path / "ready"
     owner = subprocess.Popen(
         [sys.executable, "-c",
@@ -77,11 +78,16 @@ def test_a_sigterm_to_the_owner_still_removes_everything_it_made(tmp_path: Path)
         os.kill(int(pid), 0)
 
 
-def test_without_root_the_cluster_is_a_skip_with_one_reason_line(
+def test_without_root_the_cluster_fails_with_one_reason_line_or_skips_if_allowed(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Not root is simulated: the test itself runs as root wherever the others run.
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
+    with pytest.raises(pytest.fail.Exception, match="needs root") as failed, cluster(1):
+        pass
+    assert f"{ALLOW_ENV}=netns" in str(failed.value) and "\n" not in str(failed.value)
+    monkeypatch.setenv(ALLOW_ENV, "etcd,netns")
     with pytest.raises(pytest.skip.Exception, match="needs root") as info, cluster(1):
         pass
     assert "\n" not in str(info.value)
@@ -89,7 +95,7 @@ def test_without_root_the_cluster_is_a_skip_with_one_reason_line(
 
 def test_start_sweeps_a_dead_runs_leftovers_and_keeps_a_live_runs() -> None:
     if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces: needs root and `ip`")
+        missing("netns", "network namespaces: needs root and `ip`")
     finished = subprocess.Popen(["true"])
     finished.wait()  # its pid now names a run that was killed
     dead = f"{PREFIX}{finished.pid:x}c0"

@@ -13,6 +13,7 @@ import contextlib
 from pathlib import Path
 
 import pytest
+from components import missing
 from conftest import REPO, small_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -76,7 +77,7 @@ def test_sigkill_mid_step_is_taken_over_from_memory(
             from spotline.wire.stores import ETCD_BINARY, start_local_etcd
 
             if not Path(ETCD_BINARY).exists():
-                pytest.skip("etcd-server is not installed (.ci/run installs it)")
+                missing("etcd", f"{ETCD_BINARY} is absent: apt-get install -y etcd-server")
             etcd = stack.enter_context(start_local_etcd(tmp_path / "etcd"))
             flags += ("--store", "etcd", "--etcd-endpoint", etcd.endpoint)
         summary = spotline_train(config, *TOPOLOGIES[topology], *flags)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from components import missing
 from conftest import (
     file_stamps,
     interrupt_run,
@@ -344,7 +345,9 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         check=False,
     )
     if done.returncode != 0:
-        pytest.skip(f"cannot mount a 3 MB tmpfs here: {done.stderr.strip() or done.returncode}")
+        missing(
+            "tmpfs", f"cannot mount a 3 MB tmpfs here: {done.stderr.strip() or done.returncode}"
+        )
     try:
         yield mount
     finally:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import http.server
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -23,7 +22,6 @@ import torch.distributed as dist
 
 from spotline.errors import UserError
 from spotline.wire.stores import (
-    ETCD_BINARY,
     AbortableStore,
     EtcdProcess,
     StoreSpec,
@@ -35,10 +33,7 @@ from spotline.wire.stores import (
     store_port,
 )
 
-needs_etcd = pytest.mark.skipif(
-    shutil.which(ETCD_BINARY) is None,
-    reason=f"{ETCD_BINARY} is absent: apt-get install -y etcd-server",
-)
+needs_etcd = pytest.mark.usefixtures("require_etcd")
 SHORT = timedelta(seconds=1)
 
 
