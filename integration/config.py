@@ -116,6 +116,8 @@ class RedundancySection:
     # Lazy by default: a preemption is taken over from memory, which is what Spotline is for;
     # "off" leaves only checkpoints (and a restart from scratch without them).
     mode: RedundancyMode = "lazy"
+    # Where a replica's tensors live: "host" memory (room on the accelerator for the
+    # stage's own work), or the "accelerator" (no copy to and from the host at a takeover).
     replica_device: ReplicaDevice = "host"
     # Compare every replica with its owner (digests of parameters and optimizer state)
     # after every step, at the replica's version (a lazy replica's update waits for the next
@@ -157,15 +159,17 @@ class ElasticitySection:
     # For tests and demos: worker index ``slow_worker`` (w<index>) computes ``slow_factor``
     # times slower (it sleeps after each logical worker's share of the step).
     slow_worker: int | None = None
-    slow_factor: float = 1.0
+    slow_factor: float = 1.0  # how many times slower slow_worker computes
 
 
 @dataclass(frozen=True)
 class CheckpointSection:
     """Periodic checkpoints, the fallback for fatal losses (0 steps: never)."""
 
+    # Where checkpoints go (None: OUTPUT/checkpoints).
     dir: str | None = None
     interval_steps: int = 0
+    # Complete checkpoints kept on disk; older ones are deleted once a newer one commits.
     keep: int = 3
     # A checkpoint that cannot be written (a full disk) is reported at once either way;
     # "stop" ends the job with that error, "continue" trains on without that checkpoint.
@@ -193,6 +197,8 @@ class RecoverySection:
     # "wall": trace time runs with the wall clock; "steps": each training step started is
     # step_time_estimate_s of wall time and idle time is skipped (reproducible replays).
     trace_clock: Literal["wall", "steps"] = "wall"
+    # How a replayed trace removes a worker: SIGKILL ("kill", a preemption without notice)
+    # or SIGTERM ("term", a notice: the worker leaves at the next step boundary).
     trace_removal: Literal["kill", "term"] = "kill"
     preempt_rate: float = 0.0  # preemptions per worker-hour of trace time
     preempt_seed: int | None = None  # None: the run's seed
@@ -205,6 +211,7 @@ class RecoverySection:
     # checkpoint-restart with checkpoints.interval_steps 0: the Young/Daly interval
     # sqrt(2 * cost * MTBF) needs these estimates (seconds).
     checkpoint_cost_s: float = 0.05
+    # A step's seconds: the Young/Daly estimate above, and a "steps" trace clock's tick.
     step_time_estimate_s: float = 0.1
     # Stop the run when no step has committed for this long while workers were being
     # preempted (faster than they start, so it would spin forever); 0: never stop.
@@ -218,9 +225,11 @@ class TrackingSection:
     the same rows either way)."""
 
     wandb: WandbMode = "offline"
-    project: str = "spotline"
-    run_name: str | None = None
+    project: str = "spotline"  # the wandb project
+    run_name: str | None = None  # the wandb run's name (None: wandb's own)
+    # Progress lines on the terminal while the run trains (steps, rates, events).
     progress: bool = True
+    # Draw timeline.png at the run's end (timeline.csv holds the same rows either way).
     timeline_png: bool = True
 
 
@@ -229,7 +238,7 @@ class DeterminismSection:
     """Deterministic kernels, fixed intra-op threads, seeds owned by the logical worker."""
 
     enabled: bool = False
-    intra_op_threads: int = 1
+    intra_op_threads: int = 1  # torch's intra-op threads in each worker process
 
 
 @dataclass(frozen=True)

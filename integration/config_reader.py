@@ -20,18 +20,19 @@ from spotline.errors import UserError
 _T = TypeVar("_T")
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
+    """What a value of type ``tp`` is, in words (the errors' and the config reference's)."""
     origin = typing.get_origin(tp)
     if origin is Literal:
         return " or ".join(json.dumps(a) for a in typing.get_args(tp))
     if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "null"
     if origin is dict:
         return "an object"
     if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+        return f"a list of {type_name(typing.get_args(tp)[0])}"
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(
         tp, str(tp)
     )
@@ -48,7 +49,7 @@ def _check_value(path: str, value: Any, tp: Any) -> Any:
         return _check_union(path, value, tp)
     checked = _converted(path, value, tp)
     if checked is _MISMATCH:
-        raise UserError(f"config key '{path}' is {json.dumps(value)}; expected {_type_name(tp)}")
+        raise UserError(f"config key '{path}' is {json.dumps(value)}; expected {type_name(tp)}")
     return checked
 
 
@@ -59,7 +60,7 @@ def _check_union(path: str, value: Any, tp: Any) -> Any:
             return _check_value(path, value, arm)
         except UserError:
             continue
-    raise UserError(f"config key '{path}' is {json.dumps(value)}; expected {_type_name(tp)}")
+    raise UserError(f"config key '{path}' is {json.dumps(value)}; expected {type_name(tp)}")
 
 
 def _converted(path: str, value: Any, tp: Any) -> Any:

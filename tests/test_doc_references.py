@@ -21,11 +21,11 @@ from spotline.config import SpotlineConfig
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = (
-    "docs/architecture.md",
     "README.md",
     "launch/README.md",
     "patches/README.md",
     "BENCHMARKS.md",
+    *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")),
 )
 # A placeholder a command template names (``traces/TRACE-trace.csv``): not a path to check.
 PLACEHOLDER = re.compile(r"[A-Z]{3,}")
@@ -151,3 +151,56 @@ def test_a_name_the_docs_place_in_a_file_is_there(doc: str) -> None:
         if not (REPO / path).is_file() or name not in top_level_names(REPO / path)
     )
     assert wrong == [], f"{doc} places names in files that do not hold them"
+
+
+def _shell_commands(text: str, program: str) -> list[list[str]]:
+    """Each ``program ...`` command of ``text``'s bash blocks, continuation lines joined."""
+    import shlex
+
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        joined = re.sub(r"\\\n\s*", " ", block)
+        for line in joined.splitlines():
+            line = line.split("  # ", 1)[0].strip()
+            if line.startswith(program + " "):
+                commands.append(shlex.split(line)[1:])
+    return commands
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_train_and_coordinator_command_in_the_docs_parses(doc: str) -> None:
+    """A command a reader pastes has flags that exist and values of the right type
+    (running it is the tests' and the user's; a typo in a doc is caught here)."""
+    import argparse
+
+    from spotline.launch.train_command import build_train_parser
+
+    parsed = 0
+    for argv in _shell_commands((REPO / doc).read_text(), "spotline"):
+        command, rest = argv[0], argv[1:]
+        if command not in ("train", "coordinator") or "..." in " ".join(rest):
+            continue
+        parsed += 1
+        parser = argparse.ArgumentParser(prog=f"spotline {command}", exit_on_error=False)
+        build_train_parser(parser)
+        if command == "coordinator":
+            parser.add_argument("--listen", required=True)
+            parser.add_argument("--token-file")
+        try:
+            _, unknown = parser.parse_known_args(rest)
+        except (argparse.ArgumentError, SystemExit) as exc:
+            raise AssertionError(f"{doc}: spotline {' '.join(argv)}: {exc}") from None
+        assert not unknown, f"{doc}: spotline {' '.join(argv)}: no such flags {unknown}"
+    if doc in ("README.md", "docs/training.md"):
+        assert parsed >= 5, parsed  # the tour's and the guide's commands were found
+
+
+def test_every_relative_link_in_the_docs_resolves() -> None:
+    broken = [
+        f"{doc}: {target}"
+        for doc in DOCS
+        for target in re.findall(r"\]\(([^)#\s]+)\)", (REPO / doc).read_text())
+        if not target.startswith(("http://", "https://"))
+        and not (REPO / doc).parent.joinpath(target).exists()
+    ]
+    assert broken == []
