@@ -28,7 +28,13 @@ NO_DROPOUT = {
     "gpt2-tiny": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
     "llama-tiny": {"attention_dropout": 0.0},
     "neox-tiny": {"attention_dropout": 0.0, "hidden_dropout": 0.0},
+    "qwen2-tiny": {"attention_dropout": 0.0},
+    "mistral-tiny": {"attention_dropout": 0.0},
+    "phi3-tiny": {"attention_dropout": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0},
+    "gemma-tiny": {"attention_dropout": 0.0},
 }
+# Every family Spotline splits into stages, each as a tiny preset.
+FAMILIES = list(NO_DROPOUT)
 SEED = 1234
 
 
@@ -194,7 +200,7 @@ def test_pretrained_dir_missing_a_tensor_is_user_error(tmp_path):
 # The pipeline equals the HF model
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "neox-tiny"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_one_stage_pipeline_equals_reference(dist_world, name):
     cfg = models.load_hf_config(name, NO_DROPOUT[name])
     module = models.build_pipeline_module(cfg, 1, seed=SEED)
@@ -238,7 +244,7 @@ def test_dropout_matches_reference_for_same_rng(dist_world):
     assert not torch.equal(logits, ref(inputs).logits)
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "neox-tiny"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_activation_checkpointing_is_bitwise_neutral_in_fp32_and_bf16(dist_world, name):
     """The recomputation in the backward pass equals the first forward, dropout (drawn
     again from the same generator state) and bf16 autocast (restored for the recomputation)
@@ -316,7 +322,7 @@ def _deepspeed_parts(specs, method: str, num_stages: int) -> list[int]:
     return [int(p) for p in fake.parts]
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "neox-tiny"])
+@pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("num_stages", [1, 2, 4])
 def test_partition_spreads_blocks_evenly(name, num_stages):
     cfg = models.load_hf_config(name)
@@ -334,7 +340,7 @@ def test_partition_spreads_blocks_evenly(name, num_stages):
 # Names and HF directories
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "neox-tiny"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_name_mapping_is_a_bijection(dist_world, name):
     cfg = models.load_hf_config(name)
     pipe_state = models.build_pipeline_module(cfg, 1, seed=SEED).state_dict()
@@ -382,7 +388,7 @@ def test_unknown_names_are_rejected():
         )
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "neox-tiny"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_save_pretrained_loads_in_transformers(dist_world, tmp_path, name):
     cfg = models.load_hf_config(name, NO_DROPOUT[name])
     module = models.build_pipeline_module(cfg, 1, seed=SEED)
@@ -415,7 +421,7 @@ def test_save_pretrained_rejects_partial_state(dist_world, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_hf_directory_loads_into_pipeline(dist_world, tmp_path, name):
     cfg = models.load_hf_config(name, NO_DROPOUT[name])
     hf_model = models.reference_model(cfg, seed=77)
@@ -532,6 +538,23 @@ def test_a_causal_lm_of_no_family_loads_as_one_whole_layer(dist_world, tmp_path)
     assert param_sha256(dict(loaded.named_parameters())) == param_sha256(
         models.drop_tied_aliases(hf_state, cfg)
     )
+
+
+def test_a_sliding_window_longer_than_the_sequence_is_refused_in_one_line():
+    # The stages attend causally over the whole sequence: a sliding window's attention only
+    # while the sequence fits in it (Mistral's window; Qwen2's on its sliding layers).
+    from spotline.models.model_config import check_sequence
+
+    mistral = models.load_hf_config("mistral-tiny", {"sliding_window": 16})
+    check_sequence(mistral, 16)
+    with pytest.raises(UserError) as excinfo:
+        check_sequence(mistral, 17)
+    _assert_one_line_user_error(excinfo, "--seq-len 17", "'mistral'", "16 tokens", "--seq-len 16")
+    layer_types = ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]
+    qwen2 = models.load_hf_config("qwen2-tiny", {"sliding_window": 8, "layer_types": layer_types})
+    with pytest.raises(UserError, match="window of 8 tokens"):
+        check_sequence(qwen2, 9)
+    check_sequence(models.load_hf_config("qwen2-tiny"), 4096)  # no window: any length
 
 
 def test_a_causal_lm_of_no_family_cannot_be_split(tmp_path):

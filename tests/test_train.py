@@ -44,6 +44,28 @@ def test_pipeline_equals_transformers_reference(spotline_train, model, workers, 
     assert summary["losses"][-1] < summary["losses"][0]
 
 
+@pytest.mark.parametrize("model", ["qwen2-tiny", "mistral-tiny", "phi3-tiny", "gemma-tiny"])
+def test_the_families_people_fine_tune_split_into_stages_and_survive_a_kill(
+    spotline_train, model
+) -> None:
+    """Qwen2 (q/k/v biases), Mistral (sliding window), Phi-3 (fused projections) and Gemma
+    (scaled embedding, tied head), each on 2 stages x 2 pipelines with worker 1 SIGKILLed
+    mid-backward: taken over in memory, and every step's loss and the final hash are the
+    single-process transformers reference's (dropout is off in these presets)."""
+    config = small_config(model={"name": model})
+    flags = ("--workers", "4", "--stages", "2", "--checkpoint-interval", "100")
+    summary = spotline_train(config, *flags, "--inject", "kill:2:1:backward")
+    reference = train_reference(
+        with_overrides(
+            parse_config(config), {"spotline.topology.workers": 4, "spotline.topology.stages": 2}
+        )
+    )
+    assert summary["losses"] == reference["losses"]
+    assert summary["param_sha256"] == reference["param_sha256"]
+    assert summary["recoveries"] == 1 and summary["checkpoint_fallbacks"] == 0
+    assert summary["recovery_events"][0]["in_memory"]
+
+
 def test_deterministic_runs_agree_and_dropout_is_placement_independent(spotline_train) -> None:
     """Dropout on (gpt2-tiny's default 0.1): the same hash and losses on 2 or 4 stages (two
     runs that agree across placements agree with themselves: no separate repeat)."""

@@ -19,7 +19,7 @@ from spotline.data.corpus import PackedCorpus
 from spotline.data.instructions import IGNORE_INDEX
 from spotline.data.loader import load_corpus
 from spotline.errors import UserError
-from spotline.models.model_config import check_stages, load_hf_config
+from spotline.models.model_config import check_sequence, check_stages, load_hf_config
 from spotline.plan.evaluation import EvalBatches, holdout_split
 
 if TYPE_CHECKING:
@@ -54,6 +54,7 @@ def prepare_inputs(cfg: RunConfig) -> Inputs:
     sl = cfg.spotline
     hf_config = load_hf_config(sl.model.name, sl.model.overrides)
     check_stages(hf_config, cfg.num_stages)
+    check_sequence(hf_config, sl.model.seq_len)
     samples_per_step = cfg.samples_per_step
     corpus = load_corpus(
         sl.data.path,

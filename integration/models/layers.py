@@ -1,12 +1,13 @@
 """Hugging Face causal LMs as DeepSpeed pipeline layers.
 
-Turns a transformers GPT-style causal LM (GPT-2, Llama, GPT-NeoX) into the flat list of
+Turns a transformers GPT-style causal LM (GPT-2, Llama, GPT-NeoX, Qwen2, Mistral, Phi-3,
+Gemma: ``model_config``'s families) into the flat list of
 ``LayerSpec`` that ``deepspeed.pipe.PipelineModule`` partitions over stages (never a
 ``TiedLayerSpec``: see below), and maps state between the pipeline's names and the Hugging
 Face model's names.
 
-Any other decoder-only causal LM (``model_config.is_family`` false: OPT, Qwen2, Mistral,
-Phi, ...) is one pipeline layer, :class:`WholeModelPipe`, the whole HF model (token ids ->
+Any other decoder-only causal LM (``model_config.is_family`` false: OPT, Phi-2, ...) is
+one pipeline layer, :class:`WholeModelPipe`, the whole HF model (token ids ->
 logits), and trains with one stage only (``model_config.check_stages``): data parallelism
 over logical workers. Its state names are ``"0.model.<HF state name>"``; a tie (the LM head
 and the input embedding) stays one shared parameter inside the module, whose gradients

@@ -81,6 +81,26 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-tiny": _llama(layers=4, hidden=64, heads=4, intermediate=128),
     "llama-mid": _llama(layers=6, hidden=192, heads=6, intermediate=512),
     "llama-big": _llama(layers=8, hidden=384, heads=6, intermediate=1024),
+    # The families people fine-tune, tiny (tests and demos; a save_pretrained directory of
+    # the real thing trains the same way): Qwen2 with its q/k/v biases, Mistral with a
+    # sliding window (as long as the preset's positions), Phi-3, Gemma with its tied head.
+    "qwen2-tiny": {**_llama(layers=4, hidden=64, heads=4, intermediate=128), "model_type": "qwen2"},
+    "mistral-tiny": {
+        **_llama(layers=4, hidden=64, heads=4, intermediate=128),
+        "model_type": "mistral",
+        "sliding_window": 128,
+    },
+    "phi3-tiny": {
+        **_llama(layers=4, hidden=64, heads=4, intermediate=128),
+        "model_type": "phi3",
+        "pad_token_id": _BOS_EOS_ID,
+    },
+    "gemma-tiny": {
+        **_llama(layers=4, hidden=64, heads=4, intermediate=128),
+        "model_type": "gemma",
+        "head_dim": 16,
+        "pad_token_id": _BOS_EOS_ID,
+    },
     "neox-tiny": {
         "model_type": "gpt_neox",
         "hidden_size": 64,
@@ -109,6 +129,16 @@ class _Arch:
     lm_head: str
 
 
+_LLAMA_LAYOUT = _Arch(
+    tok_embed="model.embed_tokens",
+    pos_embed=None,
+    embed_dropout=None,
+    blocks="model.layers",
+    rotary="model.rotary_emb",
+    final_norm="model.norm",
+    lm_head="lm_head",
+)
+
 _ARCHS: dict[str, _Arch] = {
     "gpt2": _Arch(
         tok_embed="transformer.wte",
@@ -119,15 +149,14 @@ _ARCHS: dict[str, _Arch] = {
         final_norm="transformer.ln_f",
         lm_head="lm_head",
     ),
-    "llama": _Arch(
-        tok_embed="model.embed_tokens",
-        pos_embed=None,
-        embed_dropout=None,
-        blocks="model.layers",
-        rotary="model.rotary_emb",
-        final_norm="model.norm",
-        lm_head="lm_head",
-    ),
+    "llama": _LLAMA_LAYOUT,
+    # Llama's layout, with their own blocks (each family's decoder layer class) and
+    # embedding: Qwen2's q/k/v biases, Mistral's sliding window (check_sequence), Phi-3's
+    # fused qkv and gate/up projections, Gemma's scaled embedding module and tied head.
+    "qwen2": _LLAMA_LAYOUT,
+    "mistral": _LLAMA_LAYOUT,
+    "phi3": _LLAMA_LAYOUT,
+    "gemma": _LLAMA_LAYOUT,
     "gpt_neox": _Arch(
         tok_embed="gpt_neox.embed_in",
         pos_embed=None,
@@ -199,6 +228,32 @@ def check_stages(hf_config: transformers.PretrainedConfig, num_stages: int) -> N
             f"--stages {num_stages}: a model of type {hf_config.model_type!r} trains whole, with "
             "--stages 1 (data parallelism over logical workers); the families split into "
             f"pipeline stages are {families()}"
+        )
+
+
+def attention_window(hf_config: transformers.PretrainedConfig) -> int | None:
+    """The sliding window a split family's blocks attend within (None: the whole causal
+    prefix): Mistral's ``sliding_window``; Qwen2's where a layer's type says so."""
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None or not is_family(hf_config):
+        return None
+    if hf_config.model_type == "mistral":
+        return int(window)
+    layer_types = getattr(hf_config, "layer_types", None) or ()
+    return int(window) if "sliding_attention" in layer_types else None
+
+
+def check_sequence(hf_config: transformers.PretrainedConfig, seq_len: int) -> None:
+    """UserError (one line) when a split model's stages would not compute what the model
+    does at ``seq_len``: a stage's block attends causally over the whole sequence (SDPA's
+    ``is_causal``, the only mask that crosses no stage boundary), which is a sliding
+    window's attention only while the sequence fits in the window."""
+    window = attention_window(hf_config)
+    if window is not None and seq_len > window:
+        raise UserError(
+            f"--seq-len {seq_len}: a {hf_config.model_type!r} model attends within a sliding "
+            f"window of {window} tokens, which Spotline's pipeline stages compute only for "
+            f"sequences that fit in it; use --seq-len {window} or less"
         )
 
 
