@@ -237,7 +237,10 @@ class TrackingSection:
 class DeterminismSection:
     """Deterministic kernels, fixed intra-op threads, seeds owned by the logical worker."""
 
-    enabled: bool = False
+    # On by default: Spotline's promise (the same bits whatever the preemptions) needs it
+    # on a GPU, where a non-deterministic kernel changes the bits silently. Off, a run says
+    # in its summary and last line that it is not bitwise reproducible.
+    enabled: bool = True
     intra_op_threads: int = 1  # torch's intra-op threads in each worker process
 
 
@@ -287,6 +290,19 @@ class RunConfig:
         """The compute precision (DeepSpeed's ``bf16`` or ``fp16`` or ``torch_autocast``
         section); the parameters and optimizer state are fp32 whatever it is."""
         return precision_of(self.deepspeed)
+
+    @property
+    def bitwise_caveats(self) -> list[str]:
+        """Why this run's bits may not be the same run's on another placement or another
+        day (empty: the promise holds: the same seed and logical topology give the same
+        parameters whatever preemptions, arrivals and rescales happen)."""
+        caveats = []
+        if not self.spotline.determinism.enabled:
+            caveats.append(
+                "determinism is off (spotline.determinism.enabled false, --no-deterministic): "
+                "a kernel may choose a different reduction order on each run"
+            )
+        return caveats
 
     @property
     def loss_scaling(self) -> LossScaling:

@@ -137,7 +137,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "--deterministic",
         "spotline.determinism.enabled",
-        "deterministic kernels, fixed threads, seeds owned by the logical worker",
+        "deterministic kernels, fixed threads, seeds owned by the logical worker (default: "
+        "on; --no-deterministic turns them off, and the run says it is not bitwise "
+        "reproducible)",
     ),
     Flag(
         "--recovery",
@@ -281,8 +283,8 @@ def _add(parser: argparse.ArgumentParser, flag: Flag) -> None:
     if flag.metavar is not None:
         kwargs["metavar"] = flag.metavar
     if tp is bool:
-        # A switch that can only turn the key on; absent (None), the file's value stands.
-        kwargs.update(action="store_true", default=None)
+        # --flag and --no-flag; absent (None), the file's value stands.
+        kwargs.update(action=argparse.BooleanOptionalAction, default=None)
     elif typing.get_origin(tp) is list:
         assert typing.get_args(tp) == (str,), f"{flag.key}: a list flag takes strings"
         kwargs["action"] = "append"  # repeatable: each use adds one item

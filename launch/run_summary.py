@@ -36,6 +36,8 @@ def format_summary(s: dict[str, Any], output: Path) -> str:
             *eval_lines(s, output),
             f"  param_sha256 {s['param_sha256']}",
             f"  summary: {output / 'summary.json'}   model: {output / 'model'}",
+            # Last, where it is read: the hash above is then not a promise.
+            *(f"  not bitwise reproducible: {why}" for why in s.get("bitwise_caveats", [])),
         ]
     )
 

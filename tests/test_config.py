@@ -221,3 +221,11 @@ def test_activation_checkpointing_from_spotlines_key_or_deepspeeds() -> None:
         parse_config({**ours, "pipeline": {"activation_checkpoint_interval": 1}})
     with pytest.raises(UserError, match="'pipeline.activation_checkpoint_interval' is -1"):
         parse_config({"pipeline": {"activation_checkpoint_interval": -1}})
+
+
+def test_the_bitwise_promise_is_on_by_default_and_its_caveat_named_when_off() -> None:
+    default = parse_config({})
+    assert default.spotline.determinism.enabled and default.bitwise_caveats == []
+    off = parse_config({"spotline": {"determinism": {"enabled": False}}})
+    (caveat,) = off.bitwise_caveats
+    assert "determinism is off" in caveat and "--no-deterministic" in caveat

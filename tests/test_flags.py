@@ -87,6 +87,11 @@ def test_a_flag_goes_through_the_config_parser_as_the_file_does() -> None:
     assert cfg.spotline.evaluation.holdout_fraction == 0.25
     assert cfg.spotline.determinism.enabled is True
     assert cfg.spotline.recovery.inject == ["add:2"]
+    # A boolean key's flag turns it off too (the default determinism is on).
+    off = parser.parse_args(["--no-deterministic"])
+    assert not with_overrides(
+        load_config(None), overrides_from_args(off)
+    ).spotline.determinism.enabled
     # A string flag has no argparse choices: the config parser names the key and the values.
     bad = overrides_from_args(parser.parse_args(["--redundancy", "sometimes"]))
     with pytest.raises(UserError, match="'spotline.redundancy.mode' is \"sometimes\"; expected"):
@@ -101,7 +106,9 @@ def test_deepspeeds_launcher_takes_neither_worker_counts_nor_recovery_flags() ->
     add_recovery_flags(spotline)
 
     def names(parser: argparse.ArgumentParser) -> set[str]:
-        return {o for action in parser._actions for o in action.option_strings} - {"-h", "--help"}
+        # A boolean key's flag comes with its --no- form: one flag, the same key.
+        options = {o for action in parser._actions for o in action.option_strings}
+        return {o.replace("--no-", "--") for o in options} - {"-h", "--help"}
 
     assert names(spotline) == {flag.name for flag in FLAGS}
     assert names(launcher) == {flag.name for flag in FLAGS if flag.scope == "run"}

@@ -81,7 +81,21 @@ def test_deterministic_runs_agree_and_dropout_is_placement_independent(spotline_
 
 
 def test_summary_fields_and_exported_model(spotline_train, tmp_path: Path) -> None:
-    summary = spotline_train(small_config(), "--workers", "4", "--stages", "2")
+    from conftest import run_spotline, write_config
+
+    # Determinism turned off (the default is on): the summary and the last line say the run
+    # is not bitwise reproducible, and why.
+    config = write_config(tmp_path / "run.json", small_config())
+    proc = run_spotline(
+        ["train", "--config", str(config), "--output", str(tmp_path / "run"), "--workers", "4"]
+        + ["--stages", "2", "--no-deterministic"]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["deterministic"] is False and summary["bitwise_reproducible"] is False
+    assert "determinism is off" in summary["bitwise_caveats"][0]
+    last = proc.stdout.strip().splitlines()[-1]  # the summary's last line
+    assert last.startswith("  not bitwise reproducible: determinism is off"), last
     for key in (
         "steps",
         "losses",

@@ -345,6 +345,8 @@ def run_worker(cfg: RunConfig, output_dir: Path) -> dict[str, Any] | None:
             "model": sl.model.name,
             "seed": sl.training.seed,
             "deterministic": sl.determinism.enabled,
+            "bitwise_reproducible": not cfg.bitwise_caveats,
+            "bitwise_caveats": cfg.bitwise_caveats,
             "redundancy": engine.redundancy,
             "param_sha256": digest,
             "peak_rss_mib_per_rank": [float(g[0]) for g in gathered],

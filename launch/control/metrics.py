@@ -481,6 +481,9 @@ class RunMetrics:
             "model": sl.model.name,
             "seed": sl.training.seed,
             "deterministic": sl.determinism.enabled,
+            # Whether the bitwise promise covers this run, and if not why (RunConfig's).
+            "bitwise_reproducible": not cfg.bitwise_caveats,
+            "bitwise_caveats": cfg.bitwise_caveats,
             "redundancy": sl.redundancy.mode,
             "recovery_mode": sl.recovery.mode,
             "checkpoint_interval_steps": checkpoint_interval_steps,
