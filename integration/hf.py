@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import shutil
 import socket
@@ -56,6 +55,9 @@ from spotline.errors import UserError
 
 # A script imports the model's source from here with the Trainer; importing it installs the
 # one-line report of a plain-python script's mistakes.
+from spotline.hf_arguments import TrainingArguments as TrainingArguments
+from spotline.hf_arguments import field_value
+from spotline.hf_arguments import job_keys as job_keys
 from spotline.hf_script import pretrained_source as pretrained_source
 from spotline.run_dir import refuse_earlier_run
 
@@ -74,13 +76,6 @@ TOKENIZER_DIR = "tokenizer"
 TRAIN_ROWS = "train" + ROWS_SUFFIX
 EVAL_ROWS = "eval" + ROWS_SUFFIX
 
-# Hugging Face scheduler name -> DeepSpeed scheduler (None: the constant rate).
-_SCHEDULERS: dict[str, str | None] = {
-    "constant": None,
-    "constant_with_warmup": "WarmupLR",
-    "linear": "WarmupDecayLR",
-    "cosine": "WarmupCosineLR",
-}
 # Keys the TrainingArguments and the script's data decide (a key or a key under one of
 # these): a --config or flag value for them must agree (precedence: the script's).
 OWNED_KEYS = frozenset(
@@ -103,43 +98,6 @@ OWNED_KEYS = frozenset(
         "spotline.checkpoints.interval_steps",
     }
 )
-
-
-@dataclass(frozen=True)
-class TrainingArguments:
-    """The fields of ``transformers.TrainingArguments`` Spotline honours, with their names and
-    defaults (``HfArgumentParser`` reads it). An HF ``TrainingArguments`` object works as well
-    (its fields are read by name); a value Spotline cannot honour is a UserError."""
-
-    output_dir: str
-    max_steps: int = -1
-    num_train_epochs: float = 3.0
-    learning_rate: float = 5e-5
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-    lr_scheduler_type: str = "linear"
-    warmup_steps: int = 0
-    warmup_ratio: float = 0.0
-    per_device_train_batch_size: int = 8
-    per_device_eval_batch_size: int = 8
-    gradient_accumulation_steps: int = 1
-    eval_strategy: str = "no"
-    eval_steps: int | None = None
-    save_strategy: str = "steps"
-    save_steps: int = 500
-    seed: int = 42
-    optim: str = "adamw_torch"
-    fp16: bool = False
-    bf16: bool = False
-    label_smoothing_factor: float = 0.0
-
-    def __post_init__(self) -> None:
-        # Refused as the arguments are parsed (as transformers' own are checked), before the
-        # script loads its model and data.
-        job_keys(self)
 
 
 class JobDescribed(BaseException):
@@ -190,114 +148,6 @@ class ScriptCall:
     @staticmethod
     def from_json(raw: Mapping[str, Any]) -> ScriptCall:
         return ScriptCall(str(raw["path"]), tuple(raw["args"]), str(raw["cwd"]))
-
-
-def _arg(args: Any, name: str) -> Any:
-    default = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}.get(name)
-    value = getattr(args, name, default)
-    # HF's enums (IntervalStrategy, SchedulerType) are str subclasses: their value.
-    return getattr(value, "value", value)
-
-
-def _warmup(args: Any, steps: int) -> int:
-    warmup = int(_arg(args, "warmup_steps"))
-    ratio = float(_arg(args, "warmup_ratio"))
-    return warmup if warmup > 0 else math.ceil(ratio * steps)
-
-
-def _scheduler_keys(args: Any, steps: int) -> dict[str, Any]:
-    name = str(_arg(args, "lr_scheduler_type"))
-    if name not in _SCHEDULERS:
-        raise UserError(
-            f"lr_scheduler_type {name!r} is not one Spotline runs exactly; use one of "
-            + ", ".join(_SCHEDULERS)
-        )
-    kind = _SCHEDULERS[name]
-    warmup = _warmup(args, steps)
-    if kind is None:
-        if warmup:
-            raise UserError(
-                "lr_scheduler_type 'constant' with warm-up steps; use constant_with_warmup"
-            )
-        return {}
-    if warmup < 2:
-        # DeepSpeed's warm-up schedulers need at least 2 warm-up steps.
-        raise UserError(
-            f"lr_scheduler_type {name!r} needs warmup_steps >= 2 (DeepSpeed's "
-            f"{kind}); set --warmup_steps or use lr_scheduler_type constant"
-        )
-    lr = float(_arg(args, "learning_rate"))
-    params: dict[str, Any] = {"warmup_num_steps": warmup, "warmup_type": "linear"}
-    if kind == "WarmupCosineLR":
-        params.update(total_num_steps=steps, warmup_min_ratio=0.0, cos_min_ratio=0.0)
-    else:
-        params.update(warmup_min_lr=0.0, warmup_max_lr=lr)
-        if kind == "WarmupDecayLR":
-            params["total_num_steps"] = steps
-    return {"scheduler.type": kind, **{f"scheduler.params.{k}": v for k, v in params.items()}}
-
-
-def _fp16_keys(args: Any) -> dict[str, Any]:
-    """``fp16=True``: DeepSpeed's fp16 loss scaler with the settings of the scaler Hugging
-    Face's Trainer runs (torch's GradScaler defaults: 2**16, halved at every overflow,
-    doubled after 2,000 clean steps, counted as DeepSpeed's DynamicLossScaler counts them)."""
-    if not _arg(args, "fp16"):
-        return {"fp16.enabled": False}
-    return {
-        "fp16.enabled": True,
-        "fp16.initial_scale_power": 16,
-        "fp16.loss_scale_window": 2000,
-        "fp16.hysteresis": 1,
-    }
-
-
-def _refuse_unsupported(args: Any) -> None:
-    if _arg(args, "fp16") and _arg(args, "bf16"):
-        raise UserError("fp16=True and bf16=True: one run trains in one precision; drop one")
-    if _arg(args, "optim") not in ("adamw_torch", "adamw_hf"):
-        raise UserError(f"optim {_arg(args, 'optim')!r}: Spotline runs torch's AdamW only")
-    if float(_arg(args, "label_smoothing_factor")) != 0.0:
-        raise UserError("label_smoothing_factor: Spotline's loss has no label smoothing; use 0")
-    if int(_arg(args, "max_steps")) <= 0:
-        raise UserError(
-            "max_steps is not set: Spotline trains a number of steps, not epochs; pass --max_steps"
-        )
-    for name, allowed in (("eval_strategy", ("no", "steps")), ("save_strategy", ("no", "steps"))):
-        if _arg(args, name) not in allowed:
-            raise UserError(f"{name} {_arg(args, name)!r}: use one of {', '.join(allowed)}")
-
-
-def job_keys(args: Any) -> dict[str, Any]:
-    """The config keys (dotted, leaves) the TrainingArguments ``args`` decide."""
-    _refuse_unsupported(args)
-    steps = int(_arg(args, "max_steps"))
-    keys: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": int(_arg(args, "per_device_train_batch_size")),
-        "gradient_accumulation_steps": int(_arg(args, "gradient_accumulation_steps")),
-        "optimizer.type": "AdamW",
-        "optimizer.params.lr": float(_arg(args, "learning_rate")),
-        "optimizer.params.betas": [
-            float(_arg(args, "adam_beta1")),
-            float(_arg(args, "adam_beta2")),
-        ],
-        "optimizer.params.eps": float(_arg(args, "adam_epsilon")),
-        "optimizer.params.weight_decay": float(_arg(args, "weight_decay")),
-        "gradient_clipping": float(_arg(args, "max_grad_norm")),
-        "bf16.enabled": bool(_arg(args, "bf16")),
-        **_fp16_keys(args),
-        "spotline.training.steps": steps,
-        "spotline.training.seed": int(_arg(args, "seed")),
-        "spotline.checkpoints.interval_steps": (
-            int(_arg(args, "save_steps")) if _arg(args, "save_strategy") == "steps" else 0
-        ),
-        **_scheduler_keys(args, steps),
-    }
-    if _arg(args, "eval_strategy") == "steps":
-        every = _arg(args, "eval_steps")
-        if every is None:
-            raise UserError("eval_strategy 'steps' needs --eval_steps")
-        keys["spotline.evaluation.interval_steps"] = int(every)
-    return keys
 
 
 def _features(dataset: Any) -> list[Any]:
@@ -384,7 +234,7 @@ def write_job(
         seq_len=seq_len,
         has_eval=evaluation is not None,
         has_tokenizer=processing_class is not None,
-        output_dir=str(_arg(args, "output_dir")),
+        output_dir=str(field_value(args, "output_dir")),
         spotline_config=spotline_config,
         script=script,
     )
@@ -526,19 +376,70 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# transformers.Trainer's arguments Spotline does not run, with what to do instead: refused in
+# one line when given (any value but the default).
+_REFUSED_TRAINER_ARGS = {
+    "callbacks": "Spotline runs no Trainer callbacks yet (its progress lines and wandb "
+    "log every step); remove callbacks=",
+    "compute_metrics": "Spotline's evaluation computes the loss and perplexity only; remove "
+    "compute_metrics=",
+    "preprocess_logits_for_metrics": "Spotline's evaluation computes the loss only; remove it",
+    "model_init": "pass the model itself (model=), built once",
+    "optimizers": "the optimizer and schedule come from TrainingArguments (optim, "
+    "learning_rate, lr_scheduler_type); remove optimizers=",
+}
+
+
+class TrainOutput(dict[str, Any]):
+    """What ``train()`` returns: the run's summary (a dict, as Spotline's scripts read it)
+    with transformers' ``TrainOutput`` fields (``global_step``, ``training_loss``,
+    ``metrics``), as Hugging Face's scripts read it."""
+
+    @property
+    def global_step(self) -> int:
+        return int(self.get("steps", 0))
+
+    @property
+    def training_loss(self) -> float | None:
+        return self.get("final_loss")
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        if not self:
+            return {}
+        return {
+            "train_loss": self.get("final_loss"),
+            "train_samples_per_second": self.get("samples_per_s"),
+        }
+
+
 class Trainer:
-    """Spotline's trainer for a Hugging Face script (see the module's docstring)."""
+    """Spotline's trainer for a Hugging Face script (see the module's docstring): the
+    arguments of ``transformers.Trainer`` (those it does not run refused in one line)."""
 
     def __init__(
         self,
-        model: Any,
-        args: Any,
-        train_dataset: Any,
-        eval_dataset: Any = None,
+        model: Any = None,
+        args: Any = None,
         data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
         processing_class: Any = None,
         spotline_config: str | None = None,
+        **others: Any,
     ) -> None:
+        for name, value in others.items():
+            if name == "tokenizer" and processing_class is None:
+                processing_class = value  # transformers 4's name for it
+            elif name in _REFUSED_TRAINER_ARGS:
+                if value is not None and value != (None, None):
+                    raise UserError(f"Trainer({name}=...): {_REFUSED_TRAINER_ARGS[name]}")
+            else:
+                raise UserError(
+                    f"Trainer({name}=...): not an argument Spotline's Trainer takes; remove it"
+                )
+        if model is None or args is None or train_dataset is None:
+            raise UserError("Trainer needs model=, args= and train_dataset=")
         parts: dict[str, Any] = dict(
             model=model,
             args=args,
@@ -558,7 +459,7 @@ class Trainer:
             check_job(Path(os.environ[JOB_ENV]), **parts)
             self.output = Path(os.environ[JOB_ENV]).parent
             return
-        self.output = Path(str(_arg(args, "output_dir")))
+        self.output = Path(str(field_value(args, "output_dir")))
         # A plain run trains in one go (no --resume): an earlier run there is never reused.
         refuse_earlier_run(self.output, flag="--output_dir", resume=None)
         job_dir = self.output / JOB_DIR
@@ -576,15 +477,20 @@ class Trainer:
             shutil.rmtree(self.output if made_output else job_dir, ignore_errors=True)
             raise
 
-    def train(self) -> dict[str, Any]:
+    def train(self, resume_from_checkpoint: Any = None, **others: Any) -> TrainOutput:
         """Train in this process (one worker, one stage); returns summary.json's contents.
 
         In a worker of ``spotline run``: this worker's part of the job, through every
         generation until the job ends; returns ``{}`` (the run's summary.json is the
         coordinator's, written once every worker is done). A worker that must stop (its
         machine lost, an error) ends the script here with its exit code."""
+        if resume_from_checkpoint or others:
+            raise UserError(
+                "Trainer.train(resume_from_checkpoint=...): a Spotline run resumes as a whole: "
+                "spotline run --resume OUTPUT (no script arguments); call train() without it"
+            )
         if os.environ.get(MODE_ENV) == WORKER:
-            return _worker_train()
+            return TrainOutput(_worker_train())
         from spotline.worker.launched import run_worker
 
         env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
@@ -594,7 +500,36 @@ class Trainer:
         summary = run_worker(self.cfg, self.output)
         assert summary is not None  # the only rank is rank 0
         self.summary = summary
-        return summary
+        return TrainOutput(summary)
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """The last evaluation of the trained model (the run evaluates its eval set after
+        the last step), as transformers names it; ``{}`` in a worker of ``spotline run``
+        (the run's evaluations are in OUTPUT/summary.json) or without an eval set."""
+        if args or kwargs:
+            raise UserError(
+                "Trainer.evaluate(...) with arguments: Spotline evaluates the Trainer's "
+                "eval_dataset; call evaluate() without them"
+            )
+        evaluations = (self.summary or {}).get("eval") or []
+        if not evaluations:
+            return {}
+        last = evaluations[-1]
+        return {"eval_loss": last["loss"], "perplexity": last["perplexity"]}
+
+    def log_metrics(self, split: str, metrics: Mapping[str, Any]) -> None:
+        """Print ``metrics`` as transformers' Trainer does, one line each."""
+        for key, value in sorted(metrics.items()):
+            print(f"  {split}_{key.removeprefix(split + '_')} = {value}")
+
+    def save_metrics(self, split: str, metrics: Mapping[str, Any]) -> None:
+        """``OUTPUT/<split>_results.json`` (a plain run; a worker's are in summary.json)."""
+        if os.environ.get(MODE_ENV) == WORKER:
+            return
+        (self.output / f"{split}_results.json").write_text(json.dumps(dict(metrics), indent=2))
+
+    def save_state(self) -> None:
+        """Nothing: the run's state is its checkpoints and summary.json."""
 
     def save_model(self, output_dir: str | None = None) -> None:
         """Copy the trained model (``output_dir/model``, with its tokenizer) to ``output_dir``.
@@ -609,11 +544,25 @@ class Trainer:
         shutil.copytree(self.output / "model", output_dir, dirs_exist_ok=True)
 
 
+def stand_in_for_transformers() -> None:
+    """Make ``transformers.Trainer`` and ``transformers.TrainingArguments`` Spotline's in this
+    process (``spotline run``'s describing child and workers, before the script runs): a
+    script written against Hugging Face's Trainer runs unmodified. ``from transformers
+    import Trainer`` reads the module's attribute, which transformers' lazy module then
+    never resolves to its own; plain ``python SCRIPT.py`` never calls this."""
+    import transformers
+
+    transformers.Trainer = Trainer  # type: ignore[misc,assignment]
+    transformers.TrainingArguments = TrainingArguments  # type: ignore[misc]
+
+
 def describe_script(script: str, script_args: Sequence[str]) -> None:
-    """Run ``script`` as ``__main__`` with ``script_args`` (in the describing child)."""
+    """Run ``script`` as ``__main__`` with ``script_args`` (in the describing child and in
+    each worker), its transformers Trainer Spotline's."""
     import runpy
     import sys
 
+    stand_in_for_transformers()
     sys.argv = [script, *script_args]
     sys.path.insert(0, str(Path(script).resolve().parent))
     runpy.run_path(script, run_name="__main__")

@@ -69,6 +69,20 @@ def script_args(job: dict[str, Path], output: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def run_plain_python(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python SCRIPT ARGS`` from the repository, which must succeed."""
+    plain = subprocess.run(
+        [sys.executable, script, *args],
+        cwd=REPO,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    return plain
+
+
 def summary_of(output: Path) -> dict[str, Any]:
     return dict(json.loads((output / "summary.json").read_text()))
 
@@ -79,15 +93,7 @@ def test_spotline_run_survives_a_kill_with_the_plain_runs_bits(
     """The example under plain python (one process) and under ``spotline run`` on 4 workers
     (2 stages x 2 pipelines) with worker 1 SIGKILLed in step 4: the same losses and hash,
     the evaluation loss falls, and the run's wandb records are one run."""
-    plain = subprocess.run(
-        [sys.executable, SCRIPT, *script_args(job, tmp_path / "plain")],
-        cwd=REPO,
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert plain.returncode == 0, plain.stderr[-3000:]
+    plain = run_plain_python(SCRIPT, *script_args(job, tmp_path / "plain"))
     plain_hash = summary_of(tmp_path / "plain")["param_sha256"]
     assert f"finetune_clm: trained, param_sha256 {plain_hash}" in plain.stdout
     # The plain run writes what every run writes: its one placement (one worker running
@@ -499,3 +505,176 @@ def test_training_arguments_bf16_and_fp16_are_spotlines() -> None:
     assert fp16.loss_scaling.hysteresis == 1
     with pytest.raises(UserError, match="fp16=True and bf16=True"):
         TrainingArguments("out", max_steps=4, fp16=True, bf16=True)
+
+
+# A fine-tuning script as a user writes it against Hugging Face's own Trainer (run_clm.py's
+# shape: HfArgumentParser, datasets, group_texts, Trainer, train, save_model, evaluate,
+# log/save metrics), not an example of this project: under ``spotline run`` its
+# transformers.Trainer is Spotline's, under plain python Hugging Face's.
+HF_SCRIPT = """
+import os
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+
+import datasets
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    HfArgumentParser,
+    Trainer,
+    TrainingArguments,
+    default_data_collator,
+)
+
+
+@dataclass
+class ModelArguments:
+    model_name_or_path: str = field(metadata={"help": "a save_pretrained directory"})
+
+
+@dataclass
+class DataArguments:
+    train_file: str = field(metadata={"help": "a text file"})
+    block_size: int = 32
+    validation_split_percentage: int = 10
+
+
+def main():
+    parser = HfArgumentParser((ModelArguments, DataArguments, TrainingArguments))
+    model_args, data_args, training_args = parser.parse_args_into_dataclasses()
+    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
+    raw = datasets.load_dataset("text", data_files={"train": data_args.train_file})["train"]
+    split = raw.train_test_split(
+        test_size=data_args.validation_split_percentage / 100, seed=training_args.seed
+    )
+    with training_args.main_process_first(desc="tokenize"):
+        tokenized = split.map(lambda b: tokenizer(b["text"]), batched=True, remove_columns=["text"])
+
+    def group_texts(examples):
+        joined = {k: list(chain(*examples[k])) for k in examples.keys()}
+        total = len(joined["input_ids"]) // data_args.block_size * data_args.block_size
+        out = {
+            k: [t[i : i + data_args.block_size] for i in range(0, total, data_args.block_size)]
+            for k, t in joined.items()
+        }
+        out["labels"] = out["input_ids"].copy()
+        return out
+
+    blocks = tokenized.map(group_texts, batched=True)
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=blocks["train"],
+        eval_dataset=blocks["test"],
+        processing_class=tokenizer,
+        data_collator=default_data_collator,
+    )
+    print("trainer class:", type(trainer).__module__, flush=True)
+    result = trainer.train()
+    trainer.save_model()
+    trainer.log_metrics("train", result.metrics)
+    trainer.save_metrics("train", result.metrics)
+    trainer.save_state()
+    metrics = trainer.evaluate()
+    trainer.log_metrics("eval", metrics)
+    # Code after train(): under spotline run it runs in every worker that finished.
+    marks = Path(training_args.output_dir) / "after-train"
+    marks.mkdir(parents=True, exist_ok=True)
+    (marks / str(os.getpid())).touch()
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_an_unmodified_transformers_trainer_script_runs_under_spotline(
+    job: dict[str, Path], tmp_path: Path
+) -> None:
+    """The script above, unedited: plain python runs Hugging Face's Trainer; spotline run
+    (2 stages x 2 pipelines) runs Spotline's, and a SIGKILL mid-backward ends on the
+    undisturbed spotline run's losses, evaluations and hash; what follows train() runs in
+    every worker that finished."""
+    script = tmp_path / "my_clm.py"
+    script.write_text(HF_SCRIPT)
+
+    def args(out: Path, *extra: str) -> list[str]:
+        return [
+            "--model_name_or_path", str(job["model"]),
+            "--train_file", "integration/assets/corpus/01_everyday.txt",
+            "--block_size", "32", "--max_steps", "6", "--learning_rate", "3e-3",
+            "--lr_scheduler_type", "constant_with_warmup", "--warmup_steps", "2",
+            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2",
+            "--eval_strategy", "steps", "--eval_steps", "3",
+            "--do_train", "--do_eval", "--logging_steps", "1", "--report_to", "none",
+            "--output_dir", str(out), *extra,
+        ]  # fmt: skip
+
+    plain = run_plain_python(str(script), *args(tmp_path / "plain", "--use_cpu"))
+    assert "trainer class: transformers.trainer" in plain.stdout
+    runs = {}
+    for name, extra in (("whole", []), ("killed", ["--inject", "kill:4:1:backward"])):
+        out = tmp_path / name
+        run = run_spotline(
+            ["run", "--workers", "4", "--stages", "2", *extra, "--output", str(out),
+             str(script), *args(out)]
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert "trainer class: spotline.hf" in (out / "logs" / "w0.log").read_text()
+        runs[name] = summary_of(out)
+        finished = len(list((out / "after-train").iterdir()))
+        assert finished == (4 if name == "whole" else 3), finished  # the killed one never did
+    whole, killed = runs["whole"], runs["killed"]
+    assert killed["preemptions"] == 1 and killed["checkpoint_fallbacks"] == 0
+    assert killed["losses"] == whole["losses"]
+    assert killed["eval"] == whole["eval"] and len(whole["eval"]) >= 2
+    assert killed["param_sha256"] == whole["param_sha256"]
+
+
+def test_a_training_argument_spotline_does_not_run_is_one_line(
+    job: dict[str, Path], tmp_path: Path
+) -> None:
+    """The unmodified script with a field Spotline refuses: one line naming it, exit 2,
+    nothing written (the other fields' placement: test_every_training_argument_is_placed)."""
+    script = tmp_path / "my_clm.py"
+    script.write_text(HF_SCRIPT)
+    out = tmp_path / "out"
+    run = run_spotline(
+        ["run", "--output", str(out), str(script), "--model_name_or_path", str(job["model"]),
+         "--train_file", "integration/assets/corpus/01_everyday.txt", "--max_steps", "4",
+         "--lr_scheduler_type", "constant", "--output_dir", str(out), "--push_to_hub"]
+    )  # fmt: skip
+    assert run.returncode == 2
+    line = one_error_line(run.stderr)
+    assert "push_to_hub=True" in line and "upload OUTPUT/model yourself" in line, line
+    assert not out.exists()
+
+
+def test_every_training_argument_is_placed() -> None:
+    """Each field of transformers' TrainingArguments, set away from its default, is mapped
+    to Spotline keys, ignored (with why), or refused in one line naming it."""
+    import dataclasses
+
+    import transformers
+
+    from spotline.errors import UserError
+    from spotline.hf_arguments import HONOURED, IGNORED, TrainingArguments, placed_fields
+
+    hf_fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments) if f.init}
+    assert hf_fields <= set(placed_fields())
+    assert set(HONOURED) <= set(placed_fields()) and set(IGNORED) <= hf_fields
+    base = {"output_dir": "out", "max_steps": 4, "lr_scheduler_type": "constant"}
+    for name, value in (("neftune_noise_alpha", 5.0), ("torch_compile", True), ("fsdp", "full")):
+        with pytest.raises(UserError) as info:
+            TrainingArguments(**base, **{name: value})
+        line = str(info.value)
+        assert "\n" not in line and line.startswith(f"TrainingArguments {name}="), line
+    # Ignored fields change nothing; honoured ones reach the config.
+    quiet = TrainingArguments(**base, logging_steps=1, report_to="wandb", do_train=True)
+    from spotline.hf import job_keys
+
+    assert job_keys(quiet) == job_keys(TrainingArguments(**base))
+    checkpointed = job_keys(TrainingArguments(**base, gradient_checkpointing=True))
+    assert checkpointed["spotline.model.activation_checkpoint_interval"] == 1

@@ -36,7 +36,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     # The worker processes.
     ("worker",),
     # What a user's script meets, and the single-process oracle.
-    ("reference", "hf_script", "hf"),
+    ("reference", "hf_script", "hf_arguments", "hf"),
     # The control plane and the entry points.
     ("launch.dev", "launch.control"),
     ("launch.bench", "launch"),
