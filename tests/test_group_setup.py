@@ -5,6 +5,10 @@ socket until then. A member lost between the group's creation and that use left 
 waiting for the collectives' timeout with nothing to abort. Real gloo groups over a real
 TCPStore in real processes; a member stopped (SIGSTOP) right after writing its address
 stands for a machine cut off at that moment.
+
+And a generation's waits on gloo end at its abort (spotline.wire.gloo_waits): gloo does not
+fail a transfer that has begun when its sockets are shut. A member stopped with a transfer
+half done stands for a machine cut off then.
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ import signal
 import subprocess
 import sys
 
+import pytest
 import torch.distributed as dist
 from conftest import REPO, child_env
 
 MEMBER = REPO / "tests" / "workers" / "group_member.py"
+ABORTED_MEMBER = REPO / "tests" / "workers" / "aborted_wait_member.py"
 # A hang detector only: a set-up that does not end in this long waits for the collectives'
 # 900 s timeout (tests/workers/group_member.py).
 BOUND_S = 120
@@ -76,3 +82,34 @@ def test_groups_connect_under_the_short_timeout_then_run_under_the_collectives_o
         f"ok timeouts=[900.0, 900.0] outside={default} sum=2.0 late=3.0",
         f"ok timeouts=[900.0, 900.0] outside={default} sum=2.0 late=-1.0",
     ]
+
+
+@pytest.mark.parametrize("kind", ["send", "recv", "broadcast"])
+def test_an_aborted_generation_ends_a_transfer_cut_off_midway(kind: str) -> None:
+    # gloo, when a connection closes, does not fail a send, a receive or a collective whose
+    # transfer has begun: shutting the sockets left rank 0 waiting for the collectives'
+    # timeout (900 s here) instead of leaving on the abort, and the stuck collective's
+    # thread held the group's destruction as long (spotline.wire.gloo_waits).
+    server = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(ABORTED_MEMBER), str(server.port), str(rank), kind],
+            cwd=REPO,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    try:
+        try:
+            out, _ = procs[0].communicate(timeout=BOUND_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"rank 0's {kind} or its teardown outlived its generation's abort")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)  # rank 1 is stopped: SIGKILL still ends it
+            proc.wait()
+    assert out.split() == ["raised", "GenerationAborted", "left"]

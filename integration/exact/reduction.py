@@ -44,6 +44,8 @@ from itertools import accumulate
 import torch
 import torch.distributed as dist
 
+from spotline.wire.gloo_waits import wait_work
+
 # Elements folded and sent at a time. Chunks keep every temporary under glibc's 32 MiB mmap
 # threshold, so the allocator reuses its pages instead of faulting in fresh ones for each (a
 # 10M-element temporary cost more in page faults than its arithmetic), and let one chunk's
@@ -284,7 +286,7 @@ def _sharded_sum(
 
     def finish_gather() -> None:
         work, parts, padded = gathers.popleft()
-        work.wait()
+        wait_work(work)
         if padded is not None:  # a ragged chunk went through equal-sized buffers
             for (a, b), buf in zip(parts, padded, strict=True):
                 if b > a:
@@ -296,7 +298,7 @@ def _sharded_sum(
         work, recv, parts = ahead
         if index + 1 < len(starts):
             ahead = scatter(starts[index + 1])
-        work.wait()
+        wait_work(work)
         lo, hi = parts[me]
         own = hi - lo
         if own:

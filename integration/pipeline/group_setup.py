@@ -29,6 +29,11 @@ a send or a receive of a generation is given the collectives' timeout (:func:`wa
 DeepSpeed's pipeline transfers included (:func:`bind_p2p_waits`); a collective runs under
 the timeout ``_set_pg_timeout`` set, as it should.
 
+A generation's waits on gloo (its sends and receives, and its blocking collectives) also
+end as soon as it is aborted (``aborted``, the event given to :func:`init_generation_group`):
+shutting the sockets does not end a transfer that has begun (see
+:mod:`spotline.wire.gloo_waits`).
+
 The default group is created here; DeepSpeed creates the pipeline and data-parallel groups
 with ``torch.distributed.new_group`` (looked up at call time, a pinned seam: see
 ``spotline.patches.deepspeed_seams``), which is wrapped for the generation's set-up only (one
@@ -38,6 +43,7 @@ thread sets groups up, in the same order on every rank).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -45,6 +51,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from spotline.wire.gloo_waits import bind_collective_waits, wait_work, watch_abort
 
 SETUP_BOUND = timedelta(seconds=10)
 """The most a group's set-up may take, where the collectives' timeout is longer."""
@@ -59,11 +67,12 @@ None: no generation group, the default group's own timeouts apply."""
 
 def wait_p2p(work: dist.Work) -> None:
     """Wait for a send or a receive under the generation's collectives' timeout (not the
-    gloo context's creation timeout, which a bare ``work.wait()`` would use)."""
+    gloo context's creation timeout, which a bare ``work.wait()`` would use), and no longer
+    than the generation lasts (:func:`spotline.wire.gloo_waits.wait_work`)."""
     if _p2p_timeout is None:
         work.wait()
     else:
-        work.wait(_p2p_timeout)
+        wait_work(work, _p2p_timeout)
 
 
 _blocking_p2p: tuple[Callable[..., Any], Callable[..., Any]] | None = None
@@ -135,10 +144,17 @@ def _connected(group: dist.ProcessGroup, collective: timedelta) -> None:
 
 
 def init_generation_group(
-    store: dist.Store, rank: int, world_size: int, *, collective: timedelta
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    *,
+    collective: timedelta,
+    aborted: threading.Event | None = None,
 ) -> None:
     """The default gloo group over ``store``, every pair connected, collectives under
-    ``collective``; a member lost meanwhile raises within about :func:`setup_bound`."""
+    ``collective``; a member lost meanwhile raises within about :func:`setup_bound`. Its
+    sends and receives are waited for under ``collective`` too, and every wait on gloo
+    ends once ``aborted`` is set (the generation's abort; None: as gloo ends it)."""
     assert not dist.is_initialized(), "the previous generation's groups are destroyed first"
     # Members find each other's addresses under their group's name, which torch numbers from
     # a count ("0" the default group, then "1", ...) that only destroy_process_group resets.
@@ -149,7 +165,9 @@ def init_generation_group(
     c10d._world.group_count = 0
     global _p2p_timeout
     _p2p_timeout = collective
+    watch_abort(aborted)
     bind_p2p_waits()
+    bind_collective_waits()
     create = setup_bound(collective) / GLOO_CONNECT_WAITS
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=create)
     _connected(dist.group.WORLD, collective)  # type: ignore[arg-type]

@@ -6,4 +6,5 @@
 - :mod:`.auth`: the job token that seals every value written to the store.
 - :mod:`.net`: which address and interface a machine's processes use.
 - :mod:`.heartbeat`: a worker's heartbeat thread.
+- :mod:`.gloo_waits`: a generation's waits on gloo, ended by the generation's abort.
 """

@@ -41,6 +41,7 @@ from spotline.plan.grid import pipeline_name
 from spotline.plan.layout import Holding
 from spotline.runtime import peak_rss_mib
 from spotline.wire.auth import AuthStore
+from spotline.wire.gloo_waits import hold_groups_past_abort
 from spotline.wire.protocol import (
     EvalResult,
     GenerationSetup,
@@ -86,6 +87,8 @@ def join_process_group(
         rank,
         world,
         collective=collective,
+        # A wait on gloo ends once the generation is aborted (spotline.wire.gloo_waits).
+        aborted=aborted,
     )
     import deepspeed
     import deepspeed.ops
@@ -100,6 +103,9 @@ def leave_process_group() -> None:
     destroy them, so that peers blocked on them see closed connections at once."""
     from deepspeed.runtime.pipe import p2p
 
+    # Groups an abandoned collective still holds a thread of are destroyed by its waiter,
+    # once the collective has timed out (spotline.wire.gloo_waits), not here.
+    hold_groups_past_abort()
     p2p._groups = None
     p2p._grid = None
     try:

@@ -66,8 +66,10 @@ def abort_connections(keep_port: int) -> int:
     Gloo has no abort: after a failure, a peer blocked on a receive from this process (or
     this process blocked on one) waits for the process group's timeout unless the socket
     closes, and a failed process group's sockets can outlive ``destroy_process_group``.
-    Shutting them down ends every pending operation at once, on both sides; the file
-    descriptors stay owned by gloo, which closes them when its context goes away.
+    Shutting them down ends every pending operation at once, on both sides, except a
+    transfer that has begun, which gloo leaves to its timeout: the generation's waits end
+    on its abort instead (``spotline.wire.gloo_waits``). The file descriptors stay owned by
+    gloo, which closes them when its context goes away.
     """
     count = 0
     for fd_name in os.listdir("/proc/self/fd"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -86,7 +87,8 @@ def main() -> None:
     store = FreezeAfterFirstSet(inner, freeze=rank == frozen)
     t0 = time.monotonic()
     try:
-        init_generation_group(store, rank, world, collective=COLLECTIVE)
+        # Abortable waits (a generation's, never aborted here) wait as long as plain ones.
+        init_generation_group(store, rank, world, collective=COLLECTIVE, aborted=threading.Event())
         with connected_new_groups(COLLECTIVE):
             pair = dist.new_group(ranks=[0, 1])
         outside = dist.new_group(ranks=list(range(world)))
