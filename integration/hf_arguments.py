@@ -134,6 +134,7 @@ IGNORED: dict[str, str] = {
         _DDP,
     ),
     "use_cpu": "Spotline runs on the accelerator DeepSpeed finds (CPU here)",
+    "accelerator_config": "accelerate's settings: Spotline runs DeepSpeed's engine itself",
     "tf32": "an accelerator setting outside the math Spotline checks",
     "use_cache": "no generation cache in training",
     "prediction_loss_only": "Spotline's evaluation computes the loss only",
@@ -251,12 +252,20 @@ def field_value(args: Any, name: str) -> Any:
     return getattr(value, "value", value)
 
 
+# Values that say "not set" (transformers' own __post_init__ turns some None defaults into
+# empty lists or False, and builds accelerate's config object: an HF TrainingArguments
+# object passed to Spotline's Trainer is compared as it was given).
+_UNSET: tuple[Any, ...] = (None, "", False, [], (), {})
+
+
 def _changed(args: Any) -> dict[str, Any]:
     """The fields of ``args`` set to something other than Hugging Face's default."""
     out = {}
     for name, default in _DEFAULTS.items():
         value = field_value(args, name)
-        if value != getattr(default, "value", default):
+        default = getattr(default, "value", default)
+        unset = any(value is u or value == u for u in _UNSET if type(u) is type(value))
+        if value != default and not (unset and default in _UNSET):
             out[name] = value
     return out
 

@@ -678,3 +678,7 @@ def test_every_training_argument_is_placed() -> None:
     assert job_keys(quiet) == job_keys(TrainingArguments(**base))
     checkpointed = job_keys(TrainingArguments(**base, gradient_checkpointing=True))
     assert checkpointed["spotline.model.activation_checkpoint_interval"] == 1
+    # transformers' own object (its __post_init__ fills in lists, flags and accelerate's
+    # config) means what the same arguments mean to ours.
+    theirs = transformers.TrainingArguments(**base, use_cpu=True)
+    assert job_keys(theirs) == job_keys(TrainingArguments(**base))
