@@ -216,7 +216,7 @@ def test_the_coordinator_commits_the_workers_files_and_finds_the_checkpoint(
     import json
 
     from spotline.checkpointing.manifest import read_metadata, step_dir
-    from spotline.wire.protocol import loss_key, lr_key
+    from spotline.wire.protocol import loss_key, loss_scale_key, lr_key, skipped_key
 
     cfg = _cfg()
     store = DictStore()
@@ -225,6 +225,8 @@ def test_the_coordinator_commits_the_workers_files_and_finds_the_checkpoint(
     for s, (loss, lr) in enumerate([(2.5, 0.001), (2.25, 0.002)]):
         store.set(loss_key(s), str(loss))
         store.set(lr_key(s), str(lr))
+        store.set(loss_scale_key(s), "1.0")
+    store.set(skipped_key(1), "1")  # fp16's overflow skipped step 1
     directory = step_dir(cfg.checkpoint_root(tmp_path), 2)
     directory.mkdir(parents=True)
     checkpoints.commit(last=2)
@@ -249,6 +251,8 @@ def test_the_coordinator_commits_the_workers_files_and_finds_the_checkpoint(
     assert metadata == {
         "losses": {"0": 2.5, "1": 2.25},
         "learning_rates": {"0": 0.001, "1": 0.002},
+        "loss_scales": {"0": 1.0, "1": 1.0},
+        "skipped_steps": {"1": 1.0},
     }
     (directory / "stage-1.pt").write_bytes(b"stage-1" * 3 + b"!")
     assert checkpoints.latest() is None
