@@ -208,8 +208,7 @@ def prepare_exchange(
     engine has them; a member knows each shard's pieces from them, ``shard_pieces``)."""
     ex = StageExchange()
     # A holding sent to several members is packed once (gloo sends read the one buffer): a
-    # stage and its replica packed for each of two newcomers took a worker to 10.2 GB at
-    # GPT-2 small size, and the OOM killer took it (BENCHMARKS.md).
+    # packed copy is the holding's size again (at GPT-2 small size about 1 GB a stage).
     packed: dict[int, torch.Tensor] = {}
 
     def packed_holding(stage: int) -> torch.Tensor:
