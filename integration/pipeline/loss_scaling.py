@@ -25,13 +25,14 @@ from spotline.plan.loss_scale import LossScaleState, LossScaling
 class LossScaler:
     """The scale of the step in progress, and whether its gradients overflowed.
 
-    ``state`` is the scaler before the step; :meth:`decide` sets ``overflow`` before the
-    commit, :meth:`update` advances ``state`` after it (DeepSpeed's GradScaler protocol:
-    ``scale``, ``unscale_``, ``step``, ``update``)."""
+    ``state`` is the scaler before the step (a new generation's load sets it from the
+    holdings); the engine's ``prepare_update`` sets ``overflow`` before the commit, and
+    :meth:`update` advances ``state`` after it (DeepSpeed's GradScaler protocol: ``scale``,
+    ``unscale_``, ``step``, ``update``)."""
 
-    def __init__(self, scaling: LossScaling, state: LossScaleState | None = None) -> None:
+    def __init__(self, scaling: LossScaling) -> None:
         self.scaling = scaling
-        self.state = state if state is not None else scaling.initial()
+        self.state: LossScaleState = scaling.initial()
         self.overflow = False
 
     @property
@@ -44,8 +45,8 @@ class LossScaler:
         return loss * self.state.scale if self.scaling.enabled else loss
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """Nothing: Spotline unscales before the commit (``decide``'s caller), so that a
-        replica and a roll-forward get the owner's unscaled gradients' recipe."""
+        """Nothing: Spotline unscales before the commit (the engine's ``prepare_update``), so
+        that a replica and a roll-forward get the owner's unscaled gradients' recipe."""
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer step, skipped when the job's gradients overflowed."""

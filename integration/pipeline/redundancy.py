@@ -278,9 +278,10 @@ class RedundantPipelineEngine(SpotlinePipelineEngine):
         """Prepare, commit, apply: the optimizer step is the step's commit point.
 
         Every rank first finishes everything that needs communication (tied and data
-        parallel reductions, the replica gradient exchange, fp16's overflow decision, the clip
-        norm: ``prepare_update``), then passes a global barrier. A rank that applies the step therefore knows every rank held its
-        final gradients, so after a failure the survivors can all apply the step (or, if
+        parallel reductions, the replica gradient exchange, fp16's overflow decision, the
+        clip norm: ``prepare_update``), then passes a global barrier. A rank that applies
+        the step therefore knows every rank held its final gradients, so after a failure
+        the survivors can all apply the step (or, if
         no one passed the barrier, all redo it): no step is lost or applied twice.
         """
         self._phase("optimizer")
